@@ -1,0 +1,1 @@
+"""Getting a Llama checkpoint and wrapping it as an exportable module."""

@@ -1,0 +1,240 @@
+"""A Llama decoder with a static KV cache, written for torch.export.
+
+One program serves prefill and decode: forward(tokens[1, T], input_pos[1]) -> logits[1, T, vocab].
+The K/V caches are the module's only state (Core ML takes them over as state; ExecuTorch plans them
+as mutable buffers). Backend-specific choices are options of this one module:
+  attention="sdpa"    aten scaled_dot_product_attention + index_put cache update (portable; Core ML)
+  attention="custom"  ExecuTorch's llama::update_cache + llama::custom_sdpa ops (XNNPACK fast path:
+                      attends only to the filled part of the cache)
+Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION_KINDS = ("sdpa", "custom")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    max_seq_len: int = 512
+    attention: str = "custom"
+    dtype: torch.dtype = torch.float32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 like Hugging Face, so fp16 models do not overflow in the variance.
+        x32 = x.float()
+        # mean over a 4-D [.., hidden, 1] view on dims (2, 3): the one form XNNPACK's mean takes,
+        # so norms stay inside the delegate instead of splitting every layer into more partitions.
+        squares = x32.pow(2).unsqueeze(-1)
+        variance = squares.mean(dim=(-2, -1), keepdim=True).squeeze(-1)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: "LlamaShape", options: ExportOptions):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
+        self.attention = options.attention
+        hidden, bias = shape.hidden, shape.attention_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
+        if self.attention == "custom":
+            # llama::custom_sdpa wants caches laid out [batch, seq, heads, head_dim].
+            cache_shape = (1, options.max_seq_len, self.n_kv_heads, self.head_dim)
+        else:
+            cache_shape = (1, self.n_kv_heads, options.max_seq_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=options.dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=options.dtype), persistent=False)
+
+    def forward(self, x, cos, sin, start_pos, positions, mask):
+        # x: [1, T, hidden]; cos/sin: [T, head_dim]
+        bsz, seq_len, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.attention == "custom":
+            torch.ops.llama.update_cache(k, self.k_cache, start_pos)
+            torch.ops.llama.update_cache(v, self.v_cache, start_pos)
+            out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start_pos, None, 0.0, True)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            self.k_cache[:, :, positions] = k
+            self.v_cache[:, :, positions] = v
+            keys, values = self.k_cache, self.v_cache
+            if self.n_kv_heads != self.n_heads:
+                repeat = self.n_heads // self.n_kv_heads
+                keys = keys.repeat_interleave(repeat, dim=1)
+                values = values.repeat_interleave(repeat, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            out = out.transpose(1, 2)
+        return self.o_proj(out.reshape(bsz, seq_len, self.n_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: "LlamaShape", options: ExportOptions):
+        super().__init__()
+        self.self_attn = Attention(shape, options)
+        self.mlp = MLP(shape.hidden, shape.intermediate, shape.mlp_bias)
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps)
+
+    def forward(self, x, cos, sin, start_pos, positions, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The few numbers of a Hugging Face LlamaConfig this module needs."""
+
+    vocab_size: int
+    hidden: int
+    intermediate: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config) -> "LlamaShape":
+        n_heads = config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+class _Body(nn.Module):
+    def __init__(self, shape: LlamaShape, options: ExportOptions):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(shape, options) for _ in range(shape.n_layers))
+        self.norm = RMSNorm(shape.hidden, shape.rms_norm_eps)
+
+
+def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim], from transformers' own rope code so every rope_type
+    it knows (llama3 scaling included) comes out exactly as Hugging Face computes it."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config)
+    freqs = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
+
+
+class LlamaForExport(nn.Module):
+    def __init__(self, config, options: ExportOptions):
+        super().__init__()
+        if options.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {options.attention!r}")
+        self.shape = LlamaShape.from_config(config)
+        self.options = options
+        self.model = _Body(self.shape, options)
+        self.lm_head = nn.Linear(self.shape.hidden, self.shape.vocab_size, bias=False)
+        cos, sin = rope_tables(config, options.max_seq_len)
+        self.register_buffer("rope_cos", cos.to(options.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(options.dtype), persistent=False)
+        if options.attention == "sdpa":
+            causal = torch.tril(torch.ones(options.max_seq_len, options.max_seq_len, dtype=torch.bool))
+            self.register_buffer("causal_mask", causal, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        positions = input_pos + torch.arange(seq_len, dtype=torch.long)
+        if self.options.attention == "custom":
+            start_pos = input_pos[0].item()
+            torch._check(start_pos >= 0)
+            torch._check(start_pos + seq_len <= self.options.max_seq_len)
+            mask = None
+        else:
+            start_pos = None
+            mask = self.causal_mask.index_select(0, positions)
+        cos = self.rope_cos.index_select(0, positions)
+        sin = self.rope_sin.index_select(0, positions)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, start_pos, positions, mask)
+        return self.lm_head(self.model.norm(x))
+
+    def reset_cache(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.k_cache.zero_()
+            layer.self_attn.v_cache.zero_()
+
+
+def build_exportable(config, state_dict: dict[str, torch.Tensor], options: ExportOptions) -> LlamaForExport:
+    """Fresh module with the checkpoint's weights; lm_head gets its own copy when embeddings are tied,
+    so embedding and output layer can be quantized differently."""
+    if options.attention == "custom":
+        # Registers llama::update_cache / llama::custom_sdpa with torch.
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+    # Built on meta so a 1B model does not first allocate random weights it then overwrites.
+    with torch.device("meta"):
+        module = LlamaForExport(config, options)
+    weights = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights = {k: v.to(options.dtype) for k, v in weights.items()}
+    missing, unexpected = module.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the Llama layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, buf in list(module.named_buffers()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner._buffers[attr] = torch.zeros(buf.shape, dtype=buf.dtype)
+    cos, sin = rope_tables(config, options.max_seq_len)
+    module.rope_cos.copy_(cos.to(options.dtype))
+    module.rope_sin.copy_(sin.to(options.dtype))
+    if options.attention == "sdpa":
+        module.causal_mask.copy_(torch.tril(torch.ones_like(module.causal_mask)))
+    return module.eval()

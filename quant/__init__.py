@@ -1,0 +1,1 @@
+"""Quantization schemes, all through torchao."""

@@ -1,0 +1,1 @@
+"""Backend recipes and the single lowering pipeline."""

@@ -1,0 +1,71 @@
+"""Headless Lowerbench: `python -m recipes list` and `python -m recipes run ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from errors import UserFacingError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m recipes", description="Lower a Llama checkpoint with ExecuTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the recipes")
+    run = sub.add_parser("run", help="run one or more recipes")
+    run.add_argument("--model", help="Hub repo id, local folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    run.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    run.add_argument("--recipe", action="append", required=True, help="recipe name; repeat for several")
+    run.add_argument("--out", required=True, type=Path, help="output folder")
+    run.add_argument("--prompt", default=None)
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--max-seq-len", type=int, default=512)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--group-size", type=int, default=None, help="weight quantization group size")
+    run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
+    return parser
+
+
+def list_recipes() -> str:
+    from recipes.registry import RECIPES, load_backends
+
+    load_backends()
+    lines = [f"{'recipe':<18} {'backend':<9} {'quantization':<14} description"]
+    for recipe in sorted(RECIPES.values(), key=lambda r: r.name):
+        lines.append(f"{recipe.name:<18} {recipe.backend:<9} {recipe.quantization:<14} {recipe.description}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "list":
+        print(list_recipes())
+        return 0
+    from recipes.generate import DEFAULT_PROMPT
+    from recipes.run import RunRequest, run, summary_rows
+
+    options = {"group_size": args.group_size} if args.group_size else {}
+    request = RunRequest(
+        recipes=args.recipe, out_dir=args.out, model=args.model, revision=args.revision,
+        token=os.environ.get("HF_TOKEN"), allow_pickle=args.allow_pickle,
+        prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
+        max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
+        temperature=args.temperature, top_p=args.top_p, options=options,
+    )
+    try:
+        summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary_rows(summary), indent=2))
+    failed = [r for r in summary["recipes"] if r["errors"]]
+    for report in failed:
+        print(f"error: {report['recipe']['name']}: {report['errors'][0]['message']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Token-by-token generation over the KV cache, the same loop for the ExecuTorch runtime and for
+eager PyTorch. Every Generation says which engine produced it."""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# Engines, as they appear in reports and the UI.
+ENGINE_RUNTIME = "executorch-runtime"
+ENGINE_EAGER_FP32 = "eager-fp32"
+ENGINE_EAGER_QUANTIZED = "eager-quantized"
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+@dataclass
+class Generation:
+    engine: str
+    prompt: str
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
+    """Chat models get their chat template; plain models get the raw prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer.encode(prompt)
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
+    ids = set()
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+def pick_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        sorted_probs = sorted_probs * keep
+        return int(order[torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    engine: str,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    max_seq_len: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    generation_config=None,
+) -> Generation:
+    """`step(tokens[1, T], input_pos[1]) -> logits[1, T, vocab]` runs the model and advances its cache."""
+    ids = prompt_token_ids(tokenizer, prompt)
+    if len(ids) + max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the context of "
+            f"{max_seq_len}; shorten the prompt, lower max new tokens or raise max context."
+        )
+    stops = stop_token_ids(tokenizer, generation_config)
+    generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    logits = step(torch.tensor([ids], dtype=torch.long), torch.tensor([0], dtype=torch.long))
+    prefill_s = time.perf_counter() - start
+    next_id = pick_next(logits[0, -1], temperature, top_p, generator)
+    out: list[int] = []
+    pos = len(ids)
+    start = time.perf_counter()
+    while True:
+        out.append(next_id)
+        if next_id in stops or len(out) >= max_new_tokens:
+            break
+        logits = step(torch.tensor([[next_id]], dtype=torch.long), torch.tensor([pos], dtype=torch.long))
+        pos += 1
+        next_id = pick_next(logits[0, -1], temperature, top_p, generator)
+    decode_s = time.perf_counter() - start
+    decoded_steps = len(out) - 1  # the first new token came from prefill
+    text = tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)
+    return Generation(
+        engine=engine,
+        prompt=prompt,
+        text=text.strip(),
+        prompt_tokens=len(ids),
+        new_tokens=len(out),
+        prefill_tokens_per_s=round(len(ids) / prefill_s, 2) if prefill_s > 0 else 0.0,
+        decode_tokens_per_s=round(decoded_steps / decode_s, 2) if decode_s > 0 and decoded_steps else 0.0,
+    )
+
+
+def eager_step(module: torch.nn.Module) -> Callable:
+    module.reset_cache()
+
+    def step(tokens, input_pos):
+        with torch.no_grad():
+            return module(tokens, input_pos)
+
+    return step
+
+
+def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()):
+    """Loads the .pte's forward method on the ExecuTorch runtime. Ops outside delegates resolve at
+    load_method time, so the kernel libraries the recipe needs are imported first."""
+    for name in runtime_imports:
+        importlib.import_module(name)
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(pte if isinstance(pte, bytes) else str(pte))
+    # The method borrows from the program: keep both alive together or execute() reads freed memory.
+    return program, program.load_method("forward")
+
+
+def runtime_step(loaded) -> Callable:
+    _program, method = loaded
+
+    def step(tokens, input_pos):
+        return method.execute([tokens, input_pos])[0]
+
+    return step

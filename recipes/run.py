@@ -1,0 +1,252 @@
+"""Run one or several recipes on one checkpoint: load once, quantize and export once per distinct
+(scheme, module options), lower per recipe, generate, and write model.pte + report.json per recipe.
+This is the function both `python -m recipes run` and the app call."""
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from errors import UserFacingError
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.llama import ExportOptions, build_exportable
+from quant.schemes import apply_scheme
+from recipes import generate as gen
+from recipes.delegation import delegation_table
+from recipes.lowering import export_program, lower_to_pte, write_atomically
+from recipes.registry import Recipe, get_recipe
+
+Progress = Callable[[float, str], None]
+
+
+class Cancelled(UserFacingError):
+    pass
+
+
+@dataclass
+class RunRequest:
+    recipes: list[str]
+    out_dir: Path
+    model: str | None = None
+    revision: str | None = None
+    token: str | None = field(default=None, repr=False)
+    allow_pickle: bool = False
+    prompt: str = gen.DEFAULT_PROMPT
+    max_new_tokens: int = 32
+    max_seq_len: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    options: dict = field(default_factory=dict)  # recipe options: group_size, ...
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    found = {}
+    for name in ("torch", "executorch", "torchao", "transformers", "coremltools"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            found[name] = None
+    found["python"] = platform.python_version()
+    return found
+
+
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
+    if not request.recipes:
+        raise UserFacingError("no recipe chosen; pick at least one (see `python -m recipes list`).")
+    if len(set(request.recipes)) != len(request.recipes):
+        raise UserFacingError("a recipe is named twice; name each recipe once.")
+    if request.max_seq_len < 16:
+        raise UserFacingError(f"max context must be at least 16 tokens, got {request.max_seq_len}.")
+    if request.max_new_tokens < 1:
+        raise UserFacingError(f"max new tokens must be at least 1, got {request.max_new_tokens}.")
+    if request.max_new_tokens >= request.max_seq_len:
+        raise UserFacingError(
+            f"max new tokens ({request.max_new_tokens}) must be smaller than max context ({request.max_seq_len})."
+        )
+    if not request.prompt.strip():
+        raise UserFacingError("the prompt is empty; type a prompt.")
+
+
+class _Stages:
+    """Progress reporting and cancellation between stages; each stage's seconds land in timings."""
+
+    def __init__(self, progress: Progress | None, cancel: threading.Event | None, total: int):
+        self.progress, self.cancel, self.total, self.done = progress, cancel, total, 0
+
+    def begin(self, message: str) -> float:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled("the job was cancelled; nothing was written for unfinished recipes.")
+        if self.progress:
+            self.progress(min(self.done / self.total, 0.99), message)
+        return time.perf_counter()
+
+    def end(self, started: float, timings: dict, key: str) -> None:
+        timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - started, 3)
+        self.done += 1
+
+
+def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
+    limit = int(getattr(checkpoint.config, "max_position_embeddings", 0) or 0)
+    if limit and request.max_seq_len > limit:
+        raise UserFacingError(
+            f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens; choose at most {limit}."
+        )
+
+
+def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> dict:
+    """Returns the summary {model, recipes: [report, ...]}; each report is also on disk."""
+    recipes = [get_recipe(name) for name in request.recipes]
+    validate_request(request, recipes)
+    for recipe in recipes:
+        if hasattr(recipe, "validate_options"):
+            recipe.validate_options(request.options)
+    stages = _Stages(progress, cancel, total=2 + 5 * len(recipes))
+    out_dir = Path(request.out_dir)
+    shared_timings: dict = {}
+
+    started = stages.begin("loading the checkpoint")
+    checkpoint = load_checkpoint(
+        request.model, revision=request.revision, token=request.token, allow_pickle=request.allow_pickle,
+        progress=progress,
+    )
+    stages.end(started, shared_timings, "load")
+    check_context(checkpoint, request)
+
+    started = stages.begin("generating with the fp32 eager reference")
+    reference_module = build_exportable(
+        checkpoint.config, checkpoint.state_dict, ExportOptions(request.max_seq_len, attention="sdpa")
+    )
+    reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
+    stages.end(started, shared_timings, "reference_generation")
+    del reference_module
+
+    prepared: dict[tuple, tuple[torch.nn.Module, torch.export.ExportedProgram, dict]] = {}
+    reports = []
+    for recipe in recipes:
+        recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
+        report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir)
+        reports.append(report)
+    summary = {"model": checkpoint.describe(), "reference": reference.to_dict(), "recipes": reports}
+    if len(recipes) > 1:
+        write_atomically(out_dir / "summary.json", json.dumps(summary_rows(summary), indent=2).encode())
+    if progress:
+        progress(1.0, "done")
+    return summary
+
+
+def _generate(step, engine: str, checkpoint: Checkpoint, request: RunRequest) -> gen.Generation:
+    return gen.generate(
+        step, engine, checkpoint.tokenizer, request.prompt, request.max_new_tokens, request.max_seq_len,
+        temperature=request.temperature, top_p=request.top_p,
+        generation_config=getattr(checkpoint, "generation_config", None),
+    )
+
+
+def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepared: dict, stages: _Stages, timings: dict):
+    options = {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}}
+    export_options = ExportOptions(request.max_seq_len, attention=recipe.attention, dtype=recipe.dtype)
+    key = (recipe.quantization, options.get("group_size"), export_options)
+    if key in prepared:
+        timings["shared_with"] = prepared[key][2]["recipe"]
+        return prepared[key][0], prepared[key][1]
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
+    started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}")
+    apply_scheme(module, recipe.quantization, options.get("group_size"))
+    stages.end(started, timings, "quantize")
+    started = stages.begin(f"exporting for {recipe.name}")
+    program = export_program(module, request.max_seq_len)
+    stages.end(started, timings, "export")
+    prepared[key] = (module, program, {"recipe": recipe.name})
+    return module, program
+
+
+def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path) -> dict:
+    timings = dict(shared_timings)
+    report = {
+        "model": checkpoint.describe(),
+        "recipe": {"name": recipe.name, "backend": recipe.backend, "quantization": recipe.quantization,
+                   "options": {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}},
+                   "max_seq_len": request.max_seq_len},
+        "versions": versions(),
+        "timings_s": timings,
+        "pte": None,
+        "delegation": None,
+        "generations": [reference.to_dict()],
+        "errors": [],
+    }
+    pte_path = recipe_dir / "model.pte"
+    try:
+        module, program = _prepare(recipe, checkpoint, request, prepared, stages, timings)
+        started = stages.begin(f"lowering to {recipe.backend} ({recipe.name})")
+        lowered = lower_to_pte(
+            program,
+            recipe.partitioners(report["recipe"]["options"]),
+            transform_passes=recipe.transform_passes() if recipe.transform_passes else None,
+            compile_config=recipe.edge_compile_config() if recipe.edge_compile_config else None,
+        )
+        stages.end(started, timings, "lower")
+        timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
+        report["delegation"] = delegation_table(lowered.edge_graph_module)
+        started = stages.begin(f"generating with {recipe.name}")
+        why_not = recipe.cannot_run_here()
+        if why_not is None:
+            method = gen.load_runtime_method(lowered.pte, recipe.runtime_imports)
+            report["generations"].append(_generate(gen.runtime_step(method), gen.ENGINE_RUNTIME, checkpoint, request).to_dict())
+        else:
+            report["runtime_note"] = why_not
+            report["generations"].append(
+                _generate(gen.eager_step(module), gen.ENGINE_EAGER_QUANTIZED, checkpoint, request).to_dict()
+            )
+        stages.end(started, timings, "generate")
+        write_atomically(pte_path, lowered.pte)
+        import hashlib
+
+        report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte), "sha256": hashlib.sha256(lowered.pte).hexdigest()}
+    except Cancelled:
+        raise
+    except UserFacingError as err:
+        report["errors"].append({"stage": "recipe", "message": str(err)})
+    except Exception as err:  # a failing backend must not take the other recipes down; the report says why
+        report["errors"].append({"stage": "recipe", "message": f"{type(err).__name__}: {err}",
+                                 "traceback": traceback.format_exc(limit=8)})
+    timings["peak_rss_mb"] = peak_rss_mb()
+    write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())
+    return report
+
+
+def summary_rows(summary: dict) -> list[dict]:
+    """One row per recipe: the side-by-side table of the app and summary.json."""
+    rows = []
+    for report in summary["recipes"]:
+        delegation = report.get("delegation") or {}
+        runtime = [g for g in report["generations"] if g["engine"] != gen.ENGINE_EAGER_FP32]
+        rows.append({
+            "recipe": report["recipe"]["name"],
+            "backend": report["recipe"]["backend"],
+            "delegated_subgraphs": delegation.get("delegated_subgraphs"),
+            "delegated_nodes": delegation.get("delegated_nodes"),
+            "non_delegated_nodes": delegation.get("non_delegated_nodes"),
+            "delegated_percent": delegation.get("delegated_percent"),
+            "pte_mb": round(report["pte"]["bytes"] / 1e6, 2) if report.get("pte") else None,
+            "export_s": report["timings_s"].get("export"),
+            "lower_s": report["timings_s"].get("lower"),
+            "decode_tokens_per_s": runtime[0]["decode_tokens_per_s"] if runtime else None,
+            "engine": runtime[0]["engine"] if runtime else None,
+            "fidelity": report.get("fidelity"),
+            "error": report["errors"][0]["message"] if report["errors"] else None,
+        })
+    return rows

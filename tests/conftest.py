@@ -1,0 +1,140 @@
+import shutil
+
+import pytest
+
+GOOD_TOKEN = "hf_goodTokenWithGatedAccess0123"
+OTHER_TOKEN = "hf_validTokenWithoutGatedAccess9"
+BAD_TOKEN = "hf_expiredOrRevokedToken4567890"
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    sentences = ["the capital of France is Paris .", "hello world , how are you ?", "what is the capital ?"]
+    tok.train_from_iterator(sentences, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama with its tokenizer, saved as a Hugging Face folder (safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = _tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hub_repo_dirs(tiny_llama_dir, tmp_path_factory):
+    """Folders served as Hub repos: the tiny Llama plus files a download must skip, a pickle-only copy,
+    and a repo without config.json."""
+    import torch
+    from safetensors.torch import load_file
+
+    root = tmp_path_factory.mktemp("hub-repos")
+    full = root / "full"
+    shutil.copytree(tiny_llama_dir, full)
+    (full / "README.md").write_text("# tiny llama\n")
+    (full / "training_args.bin").write_bytes(b"not needed")
+    (full / "original").mkdir()
+    (full / "original" / "consolidated.00.pth").write_bytes(b"meta format, not needed")
+    (full / "onnx").mkdir()
+    (full / "onnx" / "model.safetensors").write_bytes(b"onnx export, not needed")
+
+    pickle_only = root / "pickle-only"
+    shutil.copytree(tiny_llama_dir, pickle_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(tiny_llama_dir / "model.safetensors"), pickle_only / "pytorch_model.bin")
+
+    no_config = root / "no-config"
+    no_config.mkdir()
+    shutil.copy(tiny_llama_dir / "model.safetensors", no_config)
+    return {"full": full, "pickle-only": pickle_only, "no-config": no_config}
+
+
+@pytest.fixture
+def hub(hub_repo_dirs, tmp_path, monkeypatch):
+    """A running HubServer with the test repos, and huggingface_hub pointed at it with an empty cache.
+    huggingface_hub reads HF_ENDPOINT / HF_HOME into `constants` at import, so those are patched too."""
+    from huggingface_hub import constants
+
+    from tests.hub_server import HubServer
+
+    server = HubServer(tokens=[GOOD_TOKEN, OTHER_TOKEN])
+    server.add_repo("org/tiny-llama", hub_repo_dirs["full"], branches=("main", "v1"))
+    server.add_repo("org/gated-llama", hub_repo_dirs["full"], gated_for=[GOOD_TOKEN])
+    server.add_repo("org/pickle-llama", hub_repo_dirs["pickle-only"])
+    server.add_repo("org/no-config", hub_repo_dirs["no-config"])
+    server.add_repo("org/huge-llama", hub_repo_dirs["full"], reported_sizes={"model.safetensors": 10 * 1024**4})
+    endpoint = server.start()
+
+    home = tmp_path / "hf-home"
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_llama_dir):
+    from models.checkpoint import load_checkpoint
+
+    return load_checkpoint(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_lowered(tiny_checkpoint):
+    """The tiny Llama exported and lowered once with xnnpack-fp32, shared by the tests that read it."""
+    from models.llama import ExportOptions, build_exportable
+    from recipes.lowering import export_program, lower_to_pte
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("xnnpack-fp32")
+    options = ExportOptions(max_seq_len=64, attention=recipe.attention)
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
+    lowered = lower_to_pte(export_program(module, options.max_seq_len), recipe.partitioners({}))
+    return module, lowered, recipe
+
+
+def run_cli(*args, timeout=1800):
+    """`python -m recipes ...` in a subprocess, as a user or CI script would run it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-m", "recipes", *args], cwd=root, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def builtin_8da4w_run(tmp_path_factory):
+    """The built-in SmolLM2-135M through xnnpack-8da4w via the CLI, once per session (a few minutes)."""
+    import json
+
+    out = tmp_path_factory.mktemp("builtin-8da4w")
+    result = run_cli("run", "--recipe", "xnnpack-8da4w", "--out", str(out), "--max-new-tokens", "24")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, json.loads((out / "report.json").read_text()), result

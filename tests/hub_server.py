@@ -1,0 +1,224 @@
+"""A Hugging Face Hub look-alike on 127.0.0.1 that serves model repos from local folders.
+
+It speaks the endpoints huggingface_hub 2.x calls for `model_info(files_metadata=True)` and
+`snapshot_download` / `hf_hub_download`:
+  GET       /api/models/{repo}[/revision/{rev}][?blobs=True]   repo info, siblings with sizes when blobs
+  GET       /api/models/{repo}/tree/{rev}[/{path}]?recursive=   file listing (one page, no Link header)
+  HEAD|GET  /{repo}/resolve/{rev}/{file}                        file metadata / bytes (Range supported)
+Errors carry the headers the library maps to exceptions (X-Error-Code RepoNotFound, RevisionNotFound,
+GatedRepo, EntryNotFound; 401 "Invalid credentials in Authorization header" for an unknown token).
+Unlike the real Hub, LFS files are served directly (200, ETag = sha256) instead of a 302 to a CDN.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")
+API_RE = re.compile(r"/api/models/(?P<repo>[^/]+(?:/[^/]+)?)(?:/(?P<kind>revision|tree)/(?P<rev>[^/]+)(?:/.*)?)?")
+RESOLVE_RE = re.compile(r"/(?P<repo>[^/]+(?:/[^/]+)?)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
+
+
+@dataclass
+class RepoFile:
+    path: str
+    data_path: Path
+    size: int
+    blob_id: str  # git blob sha1, what the Hub reports as oid / blobId
+    sha256: str | None  # set for LFS files
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    sha: str
+    branches: tuple[str, ...]
+    files: dict[str, RepoFile]
+    gated_for: set[str] | None  # tokens with access; None = not gated
+    reported_sizes: dict[str, int] = field(default_factory=dict)
+
+    def size(self, f: RepoFile) -> int:
+        return self.reported_sizes.get(f.path, f.size)
+
+    def lfs(self, f: RepoFile) -> dict | None:
+        return {"sha256": f.sha256, "size": self.size(f), "pointerSize": 134} if f.sha256 else None
+
+
+class HubServer:
+    def __init__(self, tokens=()):
+        self.repos: dict[str, Repo] = {}
+        self.tokens = set(tokens)  # tokens the Hub accepts at all
+        self.log: list[tuple[str, str, int | None]] = []  # (method, path, status); never headers, so never tokens
+        self.drop_downloads: set[str] = set()  # files whose GET is cut off before any answer
+        self.endpoint = ""
+        self._httpd: ThreadingHTTPServer | None = None
+
+    def add_repo(self, repo_id, folder, *, branches=("main",), gated_for=None, reported_sizes=None) -> str:
+        files = {}
+        for p in sorted(Path(folder).rglob("*")):
+            if p.is_file():
+                data = p.read_bytes()
+                rel = p.relative_to(folder).as_posix()
+                blob_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                sha256 = hashlib.sha256(data).hexdigest() if rel.endswith(LFS_SUFFIXES) else None
+                files[rel] = RepoFile(rel, p, len(data), blob_id, sha256)
+        sha = hashlib.sha1(repo_id.encode() + b"".join(f.blob_id.encode() for f in files.values())).hexdigest()
+        self.repos[repo_id] = Repo(
+            repo_id, sha, tuple(branches), files, set(gated_for) if gated_for is not None else None,
+            dict(reported_sizes or {}),
+        )
+        return sha
+
+    def start(self) -> str:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._httpd.daemon_threads = True
+        self._httpd.hub = self
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return self.endpoint
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def requested_files(self, repo_id: str) -> set[str]:
+        """Files of repo_id that a client asked for on /resolve/ (HEAD or GET), at any revision."""
+        files = set()
+        for _, path, _ in self.log:
+            m = RESOLVE_RE.fullmatch(path)
+            if m and m["repo"] == repo_id:
+                files.add(unquote(m["file"]))
+        return files
+
+
+class _Handler(BaseHTTPRequestHandler):
+    # HTTP/1.0 closes every connection, so once stop() returns no pooled connection can still reach us.
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._route()
+
+    def do_HEAD(self):
+        self._route()
+
+    def _route(self):
+        hub: HubServer = self.server.hub
+        url = urlsplit(self.path)
+        self.log_path = url.path
+        auth = self.headers.get("Authorization", "")
+        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        if token is not None and token not in hub.tokens:
+            return self._error(401, None, "Invalid credentials in Authorization header")
+
+        api, resolve = API_RE.fullmatch(url.path), RESOLVE_RE.fullmatch(url.path)
+        m = api or resolve
+        if m is None:
+            return self._error(404, None, "Not found")
+        repo = hub.repos.get(unquote(m["repo"]))
+        if repo is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if repo.gated_for is not None and token not in repo.gated_for:
+            # The Hub answers 401 to anonymous users and 403 to logged-in users without access.
+            return self._error(
+                401 if token is None else 403, "GatedRepo",
+                f"Access to model {repo.repo_id} is restricted. You must have access to it and be authenticated.",
+            )
+        rev = unquote(m["rev"] or "main")
+        if rev not in repo.branches and rev != repo.sha:
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}", repo)
+
+        if resolve:
+            return self._file(repo, unquote(m["file"]))
+        if api["kind"] == "tree":
+            return self._json(self._tree(repo))
+        blobs = parse_qs(url.query).get("blobs", [""])[0].lower() == "true"
+        return self._json(self._info(repo, blobs))
+
+    def _info(self, repo: Repo, blobs: bool) -> dict:
+        siblings = []
+        for f in repo.files.values():
+            entry = {"rfilename": f.path}
+            if blobs:
+                entry.update(blobId=f.blob_id, size=repo.size(f))
+                if f.sha256:
+                    entry["lfs"] = repo.lfs(f)
+            siblings.append(entry)
+        return {
+            "_id": repo.sha[:24], "id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha,
+            "author": repo.repo_id.split("/")[0], "lastModified": "2025-01-01T00:00:00.000Z", "private": False,
+            "gated": "manual" if repo.gated_for is not None else False, "disabled": False,
+            "library_name": "transformers", "tags": ["transformers", "safetensors", "llama"], "siblings": siblings,
+        }
+
+    def _tree(self, repo: Repo) -> list[dict]:
+        folders = sorted({p.rsplit("/", 1)[0] for p in repo.files if "/" in p})
+        entries = [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "path": d} for d in folders]
+        for f in repo.files.values():
+            entry = {"type": "file", "oid": f.blob_id, "size": repo.size(f), "path": f.path}
+            if f.sha256:
+                entry["lfs"] = {"oid": f.sha256, "size": repo.size(f), "pointerSize": 134}
+            entries.append(entry)
+        return entries
+
+    def _file(self, repo: Repo, name: str):
+        f = repo.files.get(name)
+        if f is None:
+            return self._error(404, "EntryNotFound", f"{name} does not exist on this revision", repo)
+        if self.command == "GET" and name in self.server.hub.drop_downloads:
+            self._record(None)
+            self.close_connection = True
+            return
+        start = 0
+        match = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
+        if match and self.command == "GET":
+            start = int(match[1])
+        status = 206 if start else 200
+        self._record(status)
+        self.send_response(status)
+        self.send_header("X-Repo-Commit", repo.sha)
+        self.send_header("ETag", f'"{f.sha256 or f.blob_id}"')
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(f.size - start))
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{f.size - 1}/{f.size}")
+        self.end_headers()
+        if self.command == "GET":
+            with open(f.data_path, "rb") as src:
+                src.seek(start)
+                self.wfile.write(src.read())
+
+    def _json(self, payload):
+        self._send(200, {"Content-Type": "application/json"}, json.dumps(payload).encode())
+
+    def _error(self, status: int, code: str | None, message: str, repo: Repo | None = None):
+        headers = {"Content-Type": "application/json", "X-Error-Message": message}
+        if code:
+            headers["X-Error-Code"] = code
+        if repo is not None:
+            headers["X-Repo-Commit"] = repo.sha
+        self._send(status, headers, json.dumps({"error": message}).encode())
+
+    def _send(self, status: int, headers: dict, body: bytes):
+        self._record(status)
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _record(self, status: int | None):
+        self.server.hub.log.append((self.command, self.log_path, status))

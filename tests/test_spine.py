@@ -1,0 +1,160 @@
+"""The spine: checkpoint -> exportable module -> ExportedProgram -> XNNPACK .pte -> runtime generation."""
+import hashlib
+import json
+
+import pytest
+import torch
+
+from errors import UserFacingError
+from tests.conftest import run_cli
+
+
+def test_fp32_runtime_logits_match_eager(tiny_fp32_lowered):
+    from recipes.generate import load_runtime_method
+
+    module, lowered, recipe = tiny_fp32_lowered
+    tokens = torch.tensor([[3, 5, 7, 2, 9, 4]])
+    module.reset_cache()
+    with torch.no_grad():
+        eager = module(tokens, torch.tensor([0]))
+    _program, method = load_runtime_method(lowered.pte, recipe.runtime_imports)
+    runtime = method.execute([tokens, torch.tensor([0])])[0]
+    assert runtime.shape == eager.shape
+    assert (runtime - eager).abs().max().item() < 1e-4
+    assert torch.equal(runtime.argmax(-1), eager.argmax(-1))
+    # decode continues from the runtime's own KV cache
+    module_next = module(torch.tensor([[6]]), torch.tensor([6]))
+    runtime_next = method.execute([torch.tensor([[6]]), torch.tensor([6])])[0]
+    assert (runtime_next - module_next).abs().max().item() < 1e-4
+
+
+def test_module_matches_transformers(tiny_llama_dir, tiny_checkpoint):
+    from transformers import LlamaForCausalLM
+
+    from models.llama import ExportOptions, build_exportable
+
+    reference = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    tokens = torch.tensor([[1, 4, 6, 8, 3]])
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        for attention in ("sdpa", "custom"):
+            module = build_exportable(
+                tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=attention)
+            )
+            prefill = module(tokens[:, :3], torch.tensor([0]))
+            step1 = module(tokens[:, 3:4], torch.tensor([3]))
+            step2 = module(tokens[:, 4:5], torch.tensor([4]))
+            got = torch.cat([prefill, step1, step2], dim=1)
+            assert (got - expected).abs().max().item() < 1e-4, attention
+
+
+def test_delegation_table_of_fp32(tiny_fp32_lowered):
+    from recipes.delegation import delegation_table
+
+    _module, lowered, _recipe = tiny_fp32_lowered
+    table = delegation_table(lowered.edge_graph_module)
+    ops = {o["op"]: o for o in table["ops"]}
+    assert table["delegated_subgraphs"] >= 1
+    assert ops["aten_linear_default"]["delegated"] == 2 * 7 + 1  # 7 per layer + lm_head
+    assert ops["aten_linear_default"]["non_delegated"] == 0
+    assert table["delegated_nodes"] + table["non_delegated_nodes"] > 0
+
+
+def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
+                     "--max-seq-len", "64", "--max-new-tokens", "6", "--prompt", "what is the capital ?")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    pte = (out / "model.pte").read_bytes()
+    assert report["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
+    assert report["pte"]["bytes"] == len(pte)
+    assert report["recipe"] == {"name": "xnnpack-8da4w", "backend": "xnnpack", "quantization": "8da4w",
+                                "options": {"group_size": 32}, "max_seq_len": 64}
+    assert report["model"]["source"] == "local-folder" and report["model"]["architecture"] == "LlamaForCausalLM"
+    assert set(report["versions"]) >= {"torch", "executorch", "torchao", "transformers"}
+    assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}
+    engines = [g["engine"] for g in report["generations"]]
+    assert engines == ["eager-fp32", "executorch-runtime"]
+    assert report["generations"][1]["decode_tokens_per_s"] >= 0
+    linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
+    assert linear["non_delegated"] == 0 and linear["delegated"] == 15
+    assert report["errors"] == []
+    assert not list(out.glob(".*partial"))
+
+
+def test_cli_unknown_recipe_fails_cleanly(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--recipe", "xnnpack-int3", "--out", str(out))
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: unknown recipe 'xnnpack-int3'")
+    assert not (out / "model.pte").exists()
+
+
+def test_cli_list_names_recipes():
+    result = run_cli("list")
+    assert result.returncode == 0
+    assert "xnnpack-fp32" in result.stdout and "xnnpack-8da4w" in result.stdout
+
+
+def _write_folder(folder, config: dict, weights: dict | None = None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        from safetensors.torch import save_file
+
+        save_file(weights, folder / "model.safetensors")
+    return folder
+
+
+def test_non_llama_config_is_refused(tmp_path):
+    from models.checkpoint import load_checkpoint
+
+    folder = _write_folder(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, {})
+    with pytest.raises(UserFacingError, match="GPT2LMHeadModel"):
+        load_checkpoint(str(folder))
+
+
+def test_pickle_only_folder_is_refused_without_opt_in(tiny_llama_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from models.checkpoint import load_checkpoint
+
+    folder = tmp_path / "pickle"
+    shutil.copytree(tiny_llama_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(tiny_llama_dir / "model.safetensors"), folder / "pytorch_model.bin")
+    with pytest.raises(UserFacingError, match="allow-pickle"):
+        load_checkpoint(str(folder))
+    ckpt = load_checkpoint(str(folder), allow_pickle=True)
+    assert "model.embed_tokens.weight" in ckpt.state_dict
+
+
+def test_corrupt_safetensors_is_refused_and_cli_writes_nothing(tiny_llama_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_llama_dir, folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(folder), "--recipe", "xnnpack-fp32", "--out", str(out))
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "corrupt or truncated" in last and "model.safetensors" in last
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.builtin
+def test_builtin_model_8da4w_end_to_end(builtin_8da4w_run):
+    out, report, _result = builtin_8da4w_run
+    assert (out / "model.pte").stat().st_size == report["pte"]["bytes"]
+    assert report["model"]["source"] == "builtin"
+    assert report["model"]["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    runtime = [g for g in report["generations"] if g["engine"] == "executorch-runtime"]
+    assert len(runtime) == 1
+    assert "Paris" in runtime[0]["text"], runtime[0]["text"]
+    assert runtime[0]["decode_tokens_per_s"] > 0
+    linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
+    assert linear["non_delegated"] == 0 and linear["delegated"] == 30 * 7 + 1

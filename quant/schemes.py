@@ -11,10 +11,15 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Scheme:
+    """Either a source transform (`apply`, on the module before torch.export) or a PT2E flow
+    (`quantize_exported`, on the ExportedProgram: prepare, calibrate, convert, export again)."""
+
     name: str
     description: str
-    apply: Callable[[nn.Module, int], None]  # (module, group_size) -> None, in place
+    apply: Callable[[nn.Module, int], None] | None = None  # (module, group_size) -> None, in place
     default_group_size: int | None = None
+    # (program, calibration inputs [(tokens, input_pos), ...], recipe options) -> quantized ExportedProgram
+    quantize_exported: Callable | None = None
 
 
 def _is_embedding(module: nn.Module, fqn: str) -> bool:
@@ -69,4 +74,5 @@ SCHEMES: dict[str, Scheme] = {
 
 def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None) -> None:
     spec = SCHEMES[scheme]
-    spec.apply(module, group_size or spec.default_group_size or 0)
+    if spec.apply is not None:
+        spec.apply(module, group_size or spec.default_group_size or 0)

@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from models.prompting import prompt_token_ids, stop_token_ids
+
 # Engines, as they appear in reports and the UI.
 ENGINE_RUNTIME = "executorch-runtime"
 ENGINE_EAGER_FP32 = "eager-fp32"
@@ -30,28 +32,6 @@ class Generation:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
-    """Chat models get their chat template; plain models get the raw prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer.encode(prompt)
-
-
-def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
-    ids = set()
-    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids
 
 
 def pick_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -116,7 +96,10 @@ def generate(
 
 
 def eager_step(module: torch.nn.Module) -> Callable:
-    module.reset_cache()
+    # Stale cache rows never matter (every attention path masks positions >= the current one),
+    # but a fresh start keeps runs reproducible where the module allows it.
+    if hasattr(module, "reset_cache"):
+        module.reset_cache()
 
     def step(tokens, input_pos):
         with torch.no_grad():

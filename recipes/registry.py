@@ -26,6 +26,8 @@ class Recipe:
     edge_compile_config: Callable[[], object] | None = None
     transform_passes: Callable[[], list] | None = None
     options: dict = field(default_factory=dict)  # defaults of recipe options (group size, SoC, ...)
+    # Engine label of the eager generation shown when the .pte cannot run here (or failed to lower).
+    eager_engine: str = "eager-quantized"
 
 
 RECIPES: dict[str, Recipe] = {}

@@ -3,6 +3,7 @@
 This is the function both `python -m recipes run` and the app call."""
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import resource
@@ -157,9 +158,15 @@ def _generate(step, engine: str, checkpoint: Checkpoint, request: RunRequest) ->
 
 
 def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepared: dict, stages: _Stages, timings: dict):
-    options = {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}}
+    """Quantized module (for eager generation) and ExportedProgram (for lowering), shared by every
+    recipe that needs the same scheme, options and module shape."""
+    from quant.schemes import SCHEMES
+    from quant.calibration import calibration_inputs
+
+    options = recipe_options(recipe, request)
+    scheme = SCHEMES[recipe.quantization]
     export_options = ExportOptions(request.max_seq_len, attention=recipe.attention, dtype=recipe.dtype)
-    key = (recipe.quantization, options.get("group_size"), export_options)
+    key = (recipe.quantization, tuple(sorted(options.items())), export_options)
     if key in prepared:
         timings["shared_with"] = prepared[key][2]["recipe"]
         return prepared[key][0], prepared[key][1]
@@ -170,8 +177,19 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     started = stages.begin(f"exporting for {recipe.name}")
     program = export_program(module, request.max_seq_len)
     stages.end(started, timings, "export")
+    if scheme.quantize_exported is not None:
+        started = stages.begin(f"calibrating and converting ({recipe.quantization}) for {recipe.name}")
+        inputs = calibration_inputs(checkpoint.tokenizer, request.max_seq_len)
+        program = scheme.quantize_exported(program, inputs, options)
+        module = program.module()  # the converted q/dq graph: what the eager engine simulates
+        stages.end(started, timings, "quantize")
+        timings["calibration"] = {"prompts": len(inputs), "source": "quant/calibration.py built-in prompts"}
     prepared[key] = (module, program, {"recipe": recipe.name})
     return module, program
+
+
+def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
+    return {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}}
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path) -> dict:
@@ -179,8 +197,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     report = {
         "model": checkpoint.describe(),
         "recipe": {"name": recipe.name, "backend": recipe.backend, "quantization": recipe.quantization,
-                   "options": {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}},
-                   "max_seq_len": request.max_seq_len},
+                   "options": recipe_options(recipe, request), "max_seq_len": request.max_seq_len},
         "versions": versions(),
         "timings_s": timings,
         "pte": None,
@@ -188,7 +205,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "generations": [reference.to_dict()],
         "errors": [],
     }
-    pte_path = recipe_dir / "model.pte"
+    module = lowered = None
     try:
         module, program = _prepare(recipe, checkpoint, request, prepared, stages, timings)
         started = stages.begin(f"lowering to {recipe.backend} ({recipe.name})")
@@ -201,31 +218,44 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         report["delegation"] = delegation_table(lowered.edge_graph_module)
-        started = stages.begin(f"generating with {recipe.name}")
-        why_not = recipe.cannot_run_here()
-        if why_not is None:
-            method = gen.load_runtime_method(lowered.pte, recipe.runtime_imports)
-            report["generations"].append(_generate(gen.runtime_step(method), gen.ENGINE_RUNTIME, checkpoint, request).to_dict())
-        else:
-            report["runtime_note"] = why_not
-            report["generations"].append(
-                _generate(gen.eager_step(module), gen.ENGINE_EAGER_QUANTIZED, checkpoint, request).to_dict()
-            )
-        stages.end(started, timings, "generate")
-        write_atomically(pte_path, lowered.pte)
-        import hashlib
-
-        report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte), "sha256": hashlib.sha256(lowered.pte).hexdigest()}
     except Cancelled:
         raise
-    except UserFacingError as err:
-        report["errors"].append({"stage": "recipe", "message": str(err)})
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
-        report["errors"].append({"stage": "recipe", "message": f"{type(err).__name__}: {err}",
-                                 "traceback": traceback.format_exc(limit=8)})
+        report["errors"].append(_error("lower" if module is not None else "prepare", err))
+    if module is not None:
+        try:
+            started = stages.begin(f"generating with {recipe.name}")
+            report["generations"].append(_recipe_generation(recipe, module, lowered, checkpoint, request, report))
+            stages.end(started, timings, "generate")
+        except Cancelled:
+            raise
+        except Exception as err:
+            report["errors"].append(_error("generate", err))
+    if lowered is not None and not report["errors"]:
+        pte_path = recipe_dir / "model.pte"
+        write_atomically(pte_path, lowered.pte)
+        report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte),
+                         "sha256": hashlib.sha256(lowered.pte).hexdigest()}
     timings["peak_rss_mb"] = peak_rss_mb()
     write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())
     return report
+
+
+def _recipe_generation(recipe, module, lowered, checkpoint, request, report) -> dict:
+    """The .pte on the runtime when it runs here; otherwise the same quantized model in eager PyTorch,
+    labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
+    why_not = "lowering failed" if lowered is None else recipe.cannot_run_here()
+    if why_not is None:
+        method = gen.load_runtime_method(lowered.pte, recipe.runtime_imports)
+        return _generate(gen.runtime_step(method), gen.ENGINE_RUNTIME, checkpoint, request).to_dict()
+    report["runtime_note"] = why_not
+    return _generate(gen.eager_step(module), recipe.eager_engine, checkpoint, request).to_dict()
+
+
+def _error(stage: str, err: Exception) -> dict:
+    if isinstance(err, UserFacingError):
+        return {"stage": stage, "message": str(err)}
+    return {"stage": stage, "message": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=8)}
 
 
 def summary_rows(summary: dict) -> list[dict]:
@@ -233,7 +263,7 @@ def summary_rows(summary: dict) -> list[dict]:
     rows = []
     for report in summary["recipes"]:
         delegation = report.get("delegation") or {}
-        runtime = [g for g in report["generations"] if g["engine"] != gen.ENGINE_EAGER_FP32]
+        runtime = report["generations"][1:]
         rows.append({
             "recipe": report["recipe"]["name"],
             "backend": report["recipe"]["backend"],

@@ -171,13 +171,13 @@ def hub_error(err: HfHubHTTPError, repo_id: str, revision: str | None, endpoint:
     status = err.response.status_code if err.response is not None else None
     if isinstance(err, GatedRepoError):
         return UserFacingError(
-            f"{repo_id} is gated: accept its license on {endpoint}/{repo_id} and give a token (--token or HF_TOKEN) "
+            f"{repo_id} is gated: accept its license on {endpoint}/{repo_id} and give a token (HF_TOKEN, or the token box in the app) "
             "of an account that has access."
         )
     if isinstance(err, RepositoryNotFoundError):
         return UserFacingError(
             f"{repo_id} does not exist on {endpoint} or is private; check the spelling, or give a token "
-            "(--token or HF_TOKEN) that can read it."
+            "(HF_TOKEN, or the token box in the app) that can read it."
         )
     if isinstance(err, RevisionNotFoundError):
         return UserFacingError(
@@ -186,7 +186,7 @@ def hub_error(err: HfHubHTTPError, repo_id: str, revision: str | None, endpoint:
     if status == 401:
         return UserFacingError(
             f"the Hub at {endpoint} rejected the token as invalid or expired; create a new one at "
-            f"{endpoint}/settings/tokens and pass it with --token or HF_TOKEN."
+            f"{endpoint}/settings/tokens and pass it in HF_TOKEN or the app's token box."
         )
     if status == 403:
         return UserFacingError(

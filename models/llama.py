@@ -3,9 +3,14 @@
 One program serves prefill and decode: forward(tokens[1, T], input_pos[1]) -> logits[1, T, vocab].
 The K/V caches are the module's only state (Core ML takes them over as state; ExecuTorch plans them
 as mutable buffers). Backend-specific choices are options of this one module:
-  attention="sdpa"    aten scaled_dot_product_attention + index_put cache update (portable; Core ML)
+  attention="sdpa"    aten scaled_dot_product_attention + index_put cache update (portable; eager reference)
   attention="custom"  ExecuTorch's llama::update_cache + llama::custom_sdpa ops (XNNPACK fast path:
                       attends only to the filled part of the cache)
+  attention="sdpa-slice"  aten SDPA, cache written as one slice at input_pos[0], causal mask built by
+                      comparison: the forms coremltools converts (its index_put takes one position
+                      only, its gather takes no bool tensor)
+  attention="sdpa-onehot" aten SDPA, cache updated by a one-hot matmul + blend and the causal mask made
+                      once per call: no int64 index_put in the layers (QNN HTP)
 Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is.
 """
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ATTENTION_KINDS = ("sdpa", "custom")
+ATTENTION_KINDS = ("sdpa", "custom", "sdpa-slice", "sdpa-onehot")
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,25 @@ class Attention(nn.Module):
             out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start_pos, None, 0.0, True)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            self.k_cache[:, :, positions] = k
-            self.v_cache[:, :, positions] = v
+            if self.attention == "sdpa-onehot":
+                # positions holds one-hot rows [T, max_seq_len]: the update is a matmul and a blend, all
+                # float ops (QNN HTP takes no int64 index_put), so it stays inside the delegate.
+                keep = 1.0 - positions.sum(0)[:, None]
+                self.k_cache.copy_(self.k_cache * keep + torch.matmul(positions.transpose(0, 1), k))
+                self.v_cache.copy_(self.v_cache * keep + torch.matmul(positions.transpose(0, 1), v))
+            elif self.attention == "sdpa-slice":
+                self.k_cache[:, :, start_pos : start_pos + seq_len] = k
+                self.v_cache[:, :, start_pos : start_pos + seq_len] = v
+            else:
+                self.k_cache[:, :, positions] = k
+                self.v_cache[:, :, positions] = v
             keys, values = self.k_cache, self.v_cache
-            if self.n_kv_heads != self.n_heads:
+            if self.n_kv_heads != self.n_heads and self.attention == "sdpa-onehot":
+                # 4-D slices + expand + cat: repeat_interleave goes through a 5-D view HTP rejects
+                repeat = self.n_heads // self.n_kv_heads
+                keys = torch.cat([keys[:, h : h + 1].expand(-1, repeat, -1, -1) for h in range(self.n_kv_heads)], dim=1)
+                values = torch.cat([values[:, h : h + 1].expand(-1, repeat, -1, -1) for h in range(self.n_kv_heads)], dim=1)
+            elif self.n_kv_heads != self.n_heads:
                 repeat = self.n_heads // self.n_kv_heads
                 keys = keys.repeat_interleave(repeat, dim=1)
                 values = values.repeat_interleave(repeat, dim=1)
@@ -189,17 +209,26 @@ class LlamaForExport(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         seq_len = tokens.shape[1]
         positions = input_pos + torch.arange(seq_len, dtype=torch.long)
-        if self.options.attention == "custom":
+        if self.options.attention in ("custom", "sdpa-slice"):
             start_pos = input_pos[0].item()
             torch._check(start_pos >= 0)
             torch._check(start_pos + seq_len <= self.options.max_seq_len)
+        if self.options.attention == "custom":
             mask = None
+        elif self.options.attention == "sdpa-slice":
+            mask = torch.arange(self.options.max_seq_len)[None, :] <= positions[:, None]
+        elif self.options.attention == "sdpa-onehot":
+            start_pos = None
+            mask = torch.arange(self.options.max_seq_len)[None, :] <= positions[:, None]
         else:
             start_pos = None
             mask = self.causal_mask.index_select(0, positions)
         cos = self.rope_cos.index_select(0, positions)
         sin = self.rope_sin.index_select(0, positions)
         x = self.model.embed_tokens(tokens)
+        if self.options.attention == "sdpa-onehot":
+            # made once here, so the integer ops stay outside the layers the backend takes whole
+            positions = (torch.arange(self.options.max_seq_len)[None, :] == positions[:, None]).to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, start_pos, positions, mask)
         return self.lm_head(self.model.norm(x))

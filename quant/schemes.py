@@ -49,6 +49,25 @@ def quantize_linears_8da4w(module: nn.Module, group_size: int) -> None:
     quantize_(module, config, filter_fn=_is_linear)
 
 
+def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int | None) -> None:
+    """Weight-only linears (activations stay float): torchao leaves dequantize_affine + linear in the
+    graph, which Core ML takes whole and stores as compressed weights (int4 block-wise, int8 per channel)."""
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    granularity = PerGroup(group_size) if group_size else PerAxis(0)
+    dtype = {8: torch.int8, 4: torch.int4}[bits]
+    quantize_(module, IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity), filter_fn=_is_linear)
+
+
+def _int4_weight(module: nn.Module, group_size: int) -> None:
+    quantize_linears_weight_only(module, 4, group_size)
+
+
+def _int8_weight(module: nn.Module, group_size: int) -> None:
+    quantize_linears_weight_only(module, 8, None)
+
+
 def _fp32(module: nn.Module, group_size: int) -> None:
     pass
 
@@ -56,6 +75,24 @@ def _fp32(module: nn.Module, group_size: int) -> None:
 def _8da4w(module: nn.Module, group_size: int) -> None:
     quantize_embeddings(module, 8)
     quantize_linears_8da4w(module, group_size)
+
+
+def _8da4w_emb4(module: nn.Module, group_size: int) -> None:
+    quantize_embeddings(module, 4)
+    quantize_linears_8da4w(module, group_size)
+
+
+def _8da8w(module: nn.Module, group_size: int) -> None:
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis
+
+    quantize_embeddings(module, 8)
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    quantize_(module, config, filter_fn=_is_linear)
+
+
+def _fp16(module: nn.Module, group_size: int) -> None:
+    module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -68,6 +105,12 @@ SCHEMES: dict[str, Scheme] = {
             _8da4w,
             default_group_size=32,
         ),
+        Scheme("int4-weight", "int4 weight-only linears, group-wise (block 32); float activations",
+               _int4_weight, default_group_size=32),
+        Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight),
+        Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32),
+        Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w),
+        Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16),
     )
 }
 
@@ -76,3 +119,48 @@ def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None) 
     spec = SCHEMES[scheme]
     if spec.apply is not None:
         spec.apply(module, group_size or spec.default_group_size or 0)
+
+
+# Group sizes offered for group-wise schemes (XNNPACK's block-wise int4 kernels and Core ML's
+# block-wise palettes take multiples of 32).
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def check_group_size(scheme: str, group_size: int | None) -> None:
+    """Refuses a group size before the checkpoint is even loaded."""
+    from errors import UserFacingError
+
+    if group_size is None or SCHEMES[scheme].default_group_size is None:
+        return
+    if group_size not in GROUP_SIZES:
+        raise UserFacingError(
+            f"group size {group_size} is not offered for {scheme}; choose one of: {', '.join(map(str, GROUP_SIZES))}."
+        )
+
+
+def linear_input_dims(config) -> dict[str, int]:
+    """Input width of every linear of a Llama, by role: what a weight group must divide."""
+    from models.llama import LlamaShape
+
+    shape = LlamaShape.from_config(config)
+    return {"q/k/v/gate/up/lm_head": shape.hidden, "o_proj": shape.n_heads * shape.head_dim,
+            "down_proj": shape.intermediate}
+
+
+def check_group_size_fits(scheme: str, group_size: int | None, config) -> None:
+    """Refuses, before quantizing, a group size that does not divide every linear's input width."""
+    from errors import UserFacingError
+
+    spec = SCHEMES[scheme]
+    if spec.default_group_size is None:
+        return
+    group_size = group_size or spec.default_group_size
+    dims = linear_input_dims(config)
+    misfits = {role: dim for role, dim in dims.items() if dim % group_size}
+    if misfits:
+        fitting = [g for g in GROUP_SIZES if all(dim % g == 0 for dim in dims.values())]
+        raise UserFacingError(
+            f"group size {group_size} does not divide the input width of "
+            + ", ".join(f"{role} ({dim})" for role, dim in misfits.items())
+            + f" for {scheme}; choose one of: {', '.join(map(str, fitting)) or 'none: pick a per-channel scheme'}."
+        )

@@ -36,6 +36,9 @@ def list_recipes() -> str:
     lines = [f"{'recipe':<18} {'backend':<9} {'quantization':<14} description"]
     for recipe in sorted(RECIPES.values(), key=lambda r: r.name):
         lines.append(f"{recipe.name:<18} {recipe.backend:<9} {recipe.quantization:<14} {recipe.description}")
+    from quant.compatibility import compatibility_table
+
+    lines += ["", "schemes each backend takes (--group-size applies to group-wise schemes):", compatibility_table()]
     return "\n".join(lines)
 
 
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # disk full or unwritable --out: nothing partial is left (writes are atomic)
+        print(f"error: could not write to {args.out}: {err.strerror or err}; free space or choose another --out.",
+              file=sys.stderr)
         return 2
     print(json.dumps(summary_rows(summary), indent=2))
     failed = [r for r in summary["recipes"] if r["errors"]]

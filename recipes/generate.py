@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+from errors import UserFacingError
+
 from models.prompting import prompt_token_ids, stop_token_ids
 
 # Engines, as they appear in reports and the UI.
@@ -101,11 +103,26 @@ def eager_step(module: torch.nn.Module) -> Callable:
     if hasattr(module, "reset_cache"):
         module.reset_cache()
 
+    per_call = _static_tokens_per_call(module)
+
     def step(tokens, input_pos):
         with torch.no_grad():
+            if per_call == 1 and tokens.shape[1] > 1:  # a one-token static program: prefill token by token
+                return torch.cat([module(tokens[:, i:i + 1], input_pos + i) for i in range(tokens.shape[1])], dim=1)
             return module(tokens, input_pos)
 
     return step
+
+
+def _static_tokens_per_call(module: torch.nn.Module) -> int | None:
+    """The fixed token count of a program exported with static shapes (QNN's, via program.module()),
+    or None when the module takes any number of tokens."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return None
+    tokens = next((n for n in module.graph.nodes if n.op == "placeholder"), None)
+    value = tokens.meta.get("val") if tokens is not None else None
+    size = value.shape[1] if isinstance(value, torch.Tensor) and value.dim() == 2 else None
+    return size if isinstance(size, int) else None
 
 
 def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()):
@@ -115,9 +132,39 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
         importlib.import_module(name)
     from executorch.runtime import Runtime
 
-    program = Runtime.get().load_program(pte if isinstance(pte, bytes) else str(pte))
+    runtime = Runtime.get()
+    program = runtime.load_program(pte if isinstance(pte, bytes) else str(pte))
+    try:
+        method = program.load_method("forward")
+    except RuntimeError as err:
+        missing = [b for b in delegate_backends(pte) if not runtime.backend_registry.is_available(b)]
+        if missing:
+            where = "; ".join(f"{b} programs run on {BACKEND_HOSTS.get(b, 'a runtime built with that backend')}" for b in missing)
+            raise UserFacingError(
+                f"this .pte delegates to {', '.join(missing)}, which this ExecuTorch runtime does not have "
+                f"(it has {', '.join(runtime.backend_registry.registered_backend_names) or 'none'}); {where}."
+            ) from err
+        raise
     # The method borrows from the program: keep both alive together or execute() reads freed memory.
-    return program, program.load_method("forward")
+    return program, method
+
+
+# Where a delegate backend's programs can run, for the message when this runtime lacks the backend.
+BACKEND_HOSTS = {
+    "CoreMLBackend": "Apple OSes only: it needs macOS (15+) or iOS (18+), where Core ML exists",
+    "MPSBackend": "Apple OSes only: it needs macOS or iOS with Metal",
+    "QnnBackend": "Android or Linux devices with a Qualcomm NPU and the QNN runtime libraries",
+}
+
+
+def delegate_backends(pte: Path | bytes) -> list[str]:
+    """Backend ids of the delegates in a .pte, read from its flatbuffer."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    data = pte if isinstance(pte, bytes) else Path(pte).read_bytes()
+    program = deserialize_pte_binary(data)
+    program = getattr(program, "program", program)
+    return sorted({d.id for plan in program.execution_plan for d in plan.delegates})
 
 
 def runtime_step(loaded) -> Callable:

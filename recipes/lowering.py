@@ -2,22 +2,104 @@
 executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte bytes, written atomically."""
 from __future__ import annotations
 
+import logging
 import os
+import re
 import tempfile
 import time
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from recipes.delegation import delegation_table
 
 @dataclass
 class LoweredProgram:
     pte: bytes = field(repr=False)
-    edge_graph_module: object = field(repr=False)  # the lowered edge graph, for the delegation report
+    edge_graph_module: object = field(repr=False)  # the lowered edge graph (to_executorch rewrites it later)
+    delegation: dict  # recipes.delegation.delegation_table of the lowered edge graph, before to_executorch
     edge_nodes_before_partitioning: int | None
     lower_s: float
     serialize_s: float
+    edge_ops_before_partitioning: dict[str, int] = field(default_factory=dict)  # op type -> count
+    preserved_ops: dict[str, list[str]] = field(default_factory=dict)  # partitioner -> ops_to_not_decompose
+    partitioner_reasons: list[dict] = field(default_factory=list)  # {source, op, reason} from partitioner logs
+
+
+def op_type(node_name: str) -> str:
+    """The op type of an edge node, named as get_delegation_info names it (node name minus _N)."""
+    return re.sub(r"_[\d]+$", "", node_name)
+
+
+class _EdgeOpCounter:
+    """A transform pass that changes nothing: it runs after to_edge and before partitioning, so it
+    sees the edge graph the partitioners get."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+
+    def __call__(self, graph_module):
+        from torch.fx.passes.infra.pass_base import PassResult
+
+        self.counts = Counter(op_type(n.name) for n in graph_module.graph.nodes if n.op == "call_function")
+        return PassResult(graph_module, False)
+
+
+class _PartitionerLog(logging.Handler):
+    """Collects what partitioners log while lowering (Core ML's "Skipping op ..." messages at INFO,
+    XNNPACK's WhyNoPartition at DEBUG) and passes on to the usual handlers what they would have shown."""
+
+    def __init__(self, shown_level: int):
+        super().__init__(logging.DEBUG)
+        self.shown_level, self.records = shown_level, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        node = getattr(record.msg, "node", None)  # WhyNoPartition carries the rejected node
+        reason = getattr(record.msg, "reason", None)
+        self.records.append({
+            "source": record.name,
+            "op": op_type(node.name) if node is not None else None,
+            "reason": str(reason) if reason is not None else record.getMessage(),
+        })
+        own_level = logging.getLogger(record.name).level
+        if record.levelno >= (own_level or self.shown_level):
+            logging.getLogger().handle(record)
+
+
+@contextmanager
+def _capture_partitioner_logs():
+    root = logging.getLogger("executorch")
+    saved = root.level, root.propagate
+    handler = _PartitionerLog(root.getEffectiveLevel())
+    root.setLevel(logging.DEBUG)
+    root.propagate = False
+    root.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+
+
+def _record_preserved_ops(partitioners: list) -> dict[str, list[str]]:
+    """Wraps each partitioner's ops_to_not_decompose to keep what it returned for the program
+    (the first call; to_edge_transform_and_lower asks again after lowering)."""
+    preserved: dict[str, list[str]] = {}
+    for partitioner in partitioners:
+        name = type(partitioner).__name__
+        original = partitioner.ops_to_not_decompose
+
+        def recording(ep, _original=original, _name=name):
+            ops, check = _original(ep)
+            preserved.setdefault(_name, sorted({str(op) for op in ops}))
+            return ops, check
+
+        partitioner.ops_to_not_decompose = recording
+    return preserved
 
 
 def export_program(module: torch.nn.Module, max_seq_len: int) -> torch.export.ExportedProgram:
@@ -37,22 +119,43 @@ def lower_to_pte(
 ) -> LoweredProgram:
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
+    from recipes import executorch_patches
+
+    executorch_patches.apply()
+    counter = _EdgeOpCounter()
+    preserved = _record_preserved_ops(partitioners)
     start = time.perf_counter()
-    edge = to_edge_transform_and_lower(
-        program,
-        partitioner=partitioners,
-        transform_passes=transform_passes,
-        compile_config=compile_config,
-    )
+    try:
+        with _capture_partitioner_logs() as reasons:
+            edge = to_edge_transform_and_lower(
+                program,
+                partitioner=partitioners,
+                transform_passes=[*(transform_passes or []), counter],
+                compile_config=compile_config,
+            )
+    finally:
+        for partitioner in partitioners:
+            partitioner.__dict__.pop("ops_to_not_decompose", None)
     lowered_gm = edge.exported_program().graph_module
     lower_s = time.perf_counter() - start
+    # delegation_table(gm) reads these; run.py hands it only the graph module.
+    lowered_gm.meta["lowerbench_partitioning"] = {
+        "edge_ops_before_partitioning": dict(counter.counts),
+        "preserved_ops": preserved,
+        "partitioner_reasons": reasons,
+    }
+    # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
+    delegation = delegation_table(lowered_gm)
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
     executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
     pte = bytes(executorch_program.buffer)
     serialize_s = time.perf_counter() - start
-    return LoweredProgram(pte, lowered_gm, None, lower_s, serialize_s)
+    return LoweredProgram(
+        pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+        edge_ops_before_partitioning=dict(counter.counts), preserved_ops=preserved, partitioner_reasons=reasons,
+    )
 
 
 def write_atomically(path: Path, data: bytes) -> None:

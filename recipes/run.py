@@ -20,8 +20,8 @@ from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
+from recipes import fidelity
 from recipes import generate as gen
-from recipes.delegation import delegation_table
 from recipes.lowering import export_program, lower_to_pte, write_atomically
 from recipes.registry import Recipe, get_recipe
 
@@ -80,6 +80,12 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         )
     if not request.prompt.strip():
         raise UserFacingError("the prompt is empty; type a prompt.")
+    from quant.compatibility import check_scheme
+    from quant.schemes import check_group_size
+
+    for recipe in recipes:
+        check_scheme(recipe.backend, recipe.quantization)
+        check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
 
 
 class _Stages:
@@ -101,21 +107,36 @@ class _Stages:
 
 
 def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
+    """Refuses, before any export, a context the model cannot hold or a prompt that does not fit in it."""
+    from models.prompting import prompt_token_ids
+
     limit = int(getattr(checkpoint.config, "max_position_embeddings", 0) or 0)
     if limit and request.max_seq_len > limit:
         raise UserFacingError(
             f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens; choose at most {limit}."
         )
+    prompt_tokens = len(prompt_token_ids(checkpoint.tokenizer, request.prompt))
+    if prompt_tokens + request.max_new_tokens > request.max_seq_len:
+        raise UserFacingError(
+            f"the prompt is {prompt_tokens} tokens; with {request.max_new_tokens} new tokens it does not fit in the "
+            f"max context of {request.max_seq_len}; shorten the prompt, lower max new tokens or raise max context."
+        )
 
 
 def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> dict:
     """Returns the summary {model, recipes: [report, ...]}; each report is also on disk."""
+    from quant.compatibility import check_recipe_name
+    from recipes.registry import RECIPES, load_backends
+
+    load_backends()
+    for name in request.recipes:
+        check_recipe_name(name, RECIPES)
     recipes = [get_recipe(name) for name in request.recipes]
     validate_request(request, recipes)
     for recipe in recipes:
         if hasattr(recipe, "validate_options"):
             recipe.validate_options(request.options)
-    stages = _Stages(progress, cancel, total=2 + 5 * len(recipes))
+    stages = _Stages(progress, cancel, total=3 + 6 * len(recipes))
     out_dir = Path(request.out_dir)
     shared_timings: dict = {}
 
@@ -126,6 +147,10 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     )
     stages.end(started, shared_timings, "load")
     check_context(checkpoint, request)
+    from quant.schemes import check_group_size_fits
+
+    for recipe in recipes:
+        check_group_size_fits(recipe.quantization, recipe_options(recipe, request).get("group_size"), checkpoint.config)
 
     started = stages.begin("generating with the fp32 eager reference")
     reference_module = build_exportable(
@@ -133,13 +158,18 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     )
     reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
     stages.end(started, shared_timings, "reference_generation")
+    started = stages.begin("fp32 reference logits on the evaluation text")
+    eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
+    eval_reference = (eval_ids, fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len))
+    stages.end(started, shared_timings, "reference_fidelity")
     del reference_module
 
     prepared: dict[tuple, tuple[torch.nn.Module, torch.export.ExportedProgram, dict]] = {}
     reports = []
     for recipe in recipes:
         recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
-        report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir)
+        report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir,
+                             eval_reference=eval_reference)
         reports.append(report)
     summary = {"model": checkpoint.describe(), "reference": reference.to_dict(), "recipes": reports}
     if len(recipes) > 1:
@@ -166,7 +196,11 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     options = recipe_options(recipe, request)
     scheme = SCHEMES[recipe.quantization]
     export_options = ExportOptions(request.max_seq_len, attention=recipe.attention, dtype=recipe.dtype)
-    key = (recipe.quantization, tuple(sorted(options.items())), export_options)
+    # Source transforms depend on the group size only, so backends that differ in other options (SoC,
+    # compute units) still share one quantization; a PT2E quantizer may depend on any recipe option.
+    quant_options = options if scheme.quantize_exported is not None else {
+        k: v for k, v in options.items() if k == "group_size"}
+    key = (recipe.quantization, tuple(sorted(quant_options.items())), export_options)
     if key in prepared:
         timings["shared_with"] = prepared[key][2]["recipe"]
         return prepared[key][0], prepared[key][1]
@@ -192,7 +226,8 @@ def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
     return {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}}
 
 
-def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path) -> dict:
+def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
+                eval_reference: tuple | None = None) -> dict:
     timings = dict(shared_timings)
     report = {
         "model": checkpoint.describe(),
@@ -203,6 +238,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "pte": None,
         "delegation": None,
         "generations": [reference.to_dict()],
+        "fidelity": None,
         "errors": [],
     }
     module = lowered = None
@@ -217,7 +253,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         )
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
-        report["delegation"] = delegation_table(lowered.edge_graph_module)
+        report["delegation"] = lowered.delegation
     except Cancelled:
         raise
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
@@ -231,6 +267,15 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             raise
         except Exception as err:
             report["errors"].append(_error("generate", err))
+    if module is not None and eval_reference is not None:
+        try:
+            started = stages.begin(f"measuring fidelity of {recipe.name}")
+            report["fidelity"] = _recipe_fidelity(recipe, module, lowered, request, eval_reference)
+            stages.end(started, timings, "fidelity")
+        except Cancelled:
+            raise
+        except Exception as err:  # a measurement that fails does not withhold a good .pte; the report says why
+            report["fidelity"] = {"error": _error("fidelity", err)}
     if lowered is not None and not report["errors"]:
         pte_path = recipe_dir / "model.pte"
         write_atomically(pte_path, lowered.pte)
@@ -250,6 +295,19 @@ def _recipe_generation(recipe, module, lowered, checkpoint, request, report) -> 
         return _generate(gen.runtime_step(method), gen.ENGINE_RUNTIME, checkpoint, request).to_dict()
     report["runtime_note"] = why_not
     return _generate(gen.eager_step(module), recipe.eager_engine, checkpoint, request).to_dict()
+
+
+def _recipe_fidelity(recipe, module, lowered, request, eval_reference) -> dict:
+    """Fidelity on the same engine as the recipe's generation: the .pte on the runtime when it runs here,
+    otherwise the quantized eager module (or converted PT2E graph)."""
+    eval_ids, reference_logits = eval_reference
+    if lowered is not None and recipe.cannot_run_here() is None:
+        step, engine = gen.runtime_step(gen.load_runtime_method(lowered.pte, recipe.runtime_imports)), gen.ENGINE_RUNTIME
+    else:
+        step, engine = gen.eager_step(module), recipe.eager_engine
+    logits = fidelity.sequence_logits(step, eval_ids, request.max_seq_len)
+    return fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits,
+                                    fidelity.targets_of(eval_ids, request.max_seq_len))
 
 
 def _error(stage: str, err: Exception) -> dict:
@@ -277,6 +335,11 @@ def summary_rows(summary: dict) -> list[dict]:
             "decode_tokens_per_s": runtime[0]["decode_tokens_per_s"] if runtime else None,
             "engine": runtime[0]["engine"] if runtime else None,
             "fidelity": report.get("fidelity"),
+            "perplexity": (report.get("fidelity") or {}).get("perplexity"),
+            "perplexity_fp32": (report.get("fidelity") or {}).get("perplexity_fp32"),
+            "top1_agreement_percent": (report.get("fidelity") or {}).get("top1_agreement_percent"),
+            "mean_kl": (report.get("fidelity") or {}).get("mean_kl"),
+            "meets_target": (report.get("fidelity") or {}).get("meets_target"),
             "error": report["errors"][0]["message"] if report["errors"] else None,
         })
     return rows

@@ -34,3 +34,36 @@ register(
         options={"group_size": 32},
     )
 )
+register(
+    Recipe(
+        name="xnnpack-8da4w-emb4",
+        backend="xnnpack",
+        quantization="8da4w-emb4",
+        description="XNNPACK, int8 dynamic activations + int4 weights (group 32), 4-bit embeddings",
+        partitioners=xnnpack_partitioners,
+        runtime_imports=_RUNTIME_IMPORTS,
+        options={"group_size": 32},
+    )
+)
+register(
+    Recipe(
+        name="xnnpack-8da8w",
+        backend="xnnpack",
+        quantization="8da8w",
+        description="XNNPACK, int8 dynamic activations + int8 per-channel weights, 8-bit embeddings",
+        partitioners=xnnpack_partitioners,
+        runtime_imports=_RUNTIME_IMPORTS,
+    )
+)
+register(
+    Recipe(
+        name="xnnpack-fp16",
+        backend="xnnpack",
+        quantization="fp16",
+        description="XNNPACK, fp16 weights and activations",
+        partitioners=xnnpack_partitioners,
+        # llama::custom_sdpa has no fp16 kernel; aten SDPA outside the delegate runs fp16 on the portable ops.
+        attention="sdpa",
+        runtime_imports=_RUNTIME_IMPORTS,
+    )
+)

@@ -138,3 +138,56 @@ def builtin_8da4w_run(tmp_path_factory):
     result = run_cli("run", "--recipe", "xnnpack-8da4w", "--out", str(out), "--max-new-tokens", "24")
     assert result.returncode == 0, result.stderr[-3000:]
     return out, json.loads((out / "report.json").read_text()), result
+
+
+@pytest.fixture(scope="session")
+def builtin_coreml_run(tmp_path_factory):
+    """The built-in SmolLM2-135M through coreml-fp16 and coreml-int4 via the CLI, once per session
+    (one load, two lowerings: several minutes)."""
+    import json
+
+    out = tmp_path_factory.mktemp("builtin-coreml")
+    result = run_cli("run", "--recipe", "coreml-fp16", "--recipe", "coreml-int4", "--out", str(out),
+                     "--max-new-tokens", "8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = {name: json.loads((out / name / "report.json").read_text()) for name in ("coreml-fp16", "coreml-int4")}
+    return out, reports, result
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_run(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama through `run()` with xnnpack-fp32: a finished recipe folder (model.pte + report.json)."""
+    from recipes.run import RunRequest, run
+
+    out = tmp_path_factory.mktemp("tiny-fp32-run")
+    summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(tiny_llama_dir),
+                             prompt="the capital of France is", max_new_tokens=4, max_seq_len=64))
+    return out, summary["recipes"][0]
+
+
+@pytest.fixture(scope="session")
+def builtin_fp32_run(tmp_path_factory):
+    """The built-in SmolLM2-135M through xnnpack-fp32 via the CLI, once per session (its report carries fidelity)."""
+    import json
+
+    out = tmp_path_factory.mktemp("builtin-fp32")
+    result = run_cli("run", "--recipe", "xnnpack-fp32", "--out", str(out), "--max-new-tokens", "8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, json.loads((out / "report.json").read_text()), result
+
+
+@pytest.fixture(scope="session")
+def tiny_qnn_16a4w(tiny_checkpoint):
+    """The tiny Llama through the qnn-16a4w PT2E scheme (QnnQuantizer, calibrated on the built-in
+    prompts): (checkpoint, quantized ExportedProgram). Needs no QNN library."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.calibration import calibration_inputs
+    from quant.schemes import SCHEMES
+    from recipes.lowering import export_program
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("qnn-16a4w")
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=recipe.attention))
+    program = export_program(module, 32)
+    inputs = calibration_inputs(tiny_checkpoint.tokenizer, 32)
+    return tiny_checkpoint, SCHEMES[recipe.quantization].quantize_exported(program, inputs, dict(recipe.options))

@@ -8,12 +8,22 @@ It speaks the endpoints huggingface_hub 2.x calls for `model_info(files_metadata
 Errors carry the headers the library maps to exceptions (X-Error-Code RepoNotFound, RevisionNotFound,
 GatedRepo, EntryNotFound; 401 "Invalid credentials in Authorization header" for an unknown token).
 Unlike the real Hub, LFS files are served directly (200, ETag = sha256) instead of a 302 to a CDN.
+
+Uploads, as `create_repo` + `upload_folder` do them (every file is answered "regular", so no LFS or Xet
+storage is involved; the file bytes travel base64-encoded inside the commit):
+  GET   /api/whoami-v2                             the token's user (HubServer.users maps token -> name)
+  POST  /api/repos/create                          409 when the repo exists; 403 outside the user's namespace
+  POST  /api/models/{repo}/preupload/{rev}         uploadMode "regular" for every file
+  POST  /api/models/{repo}/commit/{rev}            ndjson header + base64 files; then downloadable as usual
+  POST  /api/validate-yaml                         a README's front matter: always valid here
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +33,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 LFS_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")
 API_RE = re.compile(r"/api/models/(?P<repo>[^/]+(?:/[^/]+)?)(?:/(?P<kind>revision|tree)/(?P<rev>[^/]+)(?:/.*)?)?")
 RESOLVE_RE = re.compile(r"/(?P<repo>[^/]+(?:/[^/]+)?)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
+UPLOAD_RE = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/(?P<kind>preupload|commit)/(?P<rev>[^/]+)")
 
 
 @dataclass
@@ -57,6 +68,9 @@ class HubServer:
         self.log: list[tuple[str, str, int | None]] = []  # (method, path, status); never headers, so never tokens
         self.drop_downloads: set[str] = set()  # files whose GET is cut off before any answer
         self.endpoint = ""
+        self.users: dict[str, str] = {}  # token -> user name, for whoami and the namespace a token may write to
+        self.commits: list[tuple[str, str, list[str]]] = []  # (repo, summary, paths) of every commit received
+        self._upload_dir: Path | None = None
         self._httpd: ThreadingHTTPServer | None = None
 
     def add_repo(self, repo_id, folder, *, branches=("main",), gated_for=None, reported_sizes=None) -> str:
@@ -112,6 +126,64 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self):
         self._route()
 
+    def do_POST(self):
+        hub: HubServer = self.server.hub
+        url = urlsplit(self.path)
+        self.log_path = url.path
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        auth = self.headers.get("Authorization", "")
+        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        if token is None or token not in hub.tokens:
+            return self._error(401, None, "Invalid credentials in Authorization header")
+        user = hub.users.get(token)
+        if url.path == "/api/validate-yaml":
+            return self._json({"errors": [], "warnings": []})
+        if url.path == "/api/repos/create":
+            payload = json.loads(body)
+            repo_id = f"{payload.get('organization') or user}/{payload['name']}"
+            if repo_id.split("/")[0] != user:
+                return self._error(403, None, f"You don't have the rights to create a model under {repo_id.split('/')[0]}")
+            if repo_id in hub.repos:
+                # The Hub's 409 carries the repo url too; create_repo(exist_ok=True) reads it.
+                return self._send(409, {"Content-Type": "application/json", "X-Error-Message": "You already created this model repo"},
+                                  json.dumps({"error": "You already created this model repo",
+                                              "url": f"{hub.endpoint}/{repo_id}"}).encode())
+            hub.repos[repo_id] = Repo(repo_id, hashlib.sha1(repo_id.encode()).hexdigest(), ("main",), {}, None)
+            return self._json({"url": f"{hub.endpoint}/{repo_id}", "name": repo_id})
+        m = UPLOAD_RE.fullmatch(url.path)
+        if m is None:
+            return self._error(404, None, "Not found")
+        repo = hub.repos.get(unquote(m["repo"]))
+        if repo is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if repo.repo_id.split("/")[0] != user:
+            return self._error(403, None, f"You don't have the rights to write to {repo.repo_id}")
+        if m["kind"] == "preupload":
+            files = json.loads(body)["files"]
+            return self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                         for f in files]})
+        lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        header = next(item["value"] for item in lines if item["key"] == "header")
+        paths = []
+        if hub._upload_dir is None:
+            hub._upload_dir = Path(tempfile.mkdtemp(prefix="hub-uploads-"))
+        for item in lines:
+            if item["key"] != "file":
+                continue
+            data = base64.b64decode(item["value"]["content"])
+            path = item["value"]["path"]
+            target = hub._upload_dir / repo.repo_id / hashlib.sha1(data).hexdigest()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            blob_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            sha256 = hashlib.sha256(data).hexdigest() if path.endswith(LFS_SUFFIXES) else None
+            repo.files[path] = RepoFile(path, target, len(data), blob_id, sha256)
+            paths.append(path)
+        repo.sha = hashlib.sha1(repo.sha.encode() + b"".join(f.blob_id.encode() for f in repo.files.values())).hexdigest()
+        hub.commits.append((repo.repo_id, header.get("summary", ""), paths))
+        return self._json({"commitUrl": f"{hub.endpoint}/{repo.repo_id}/commit/{repo.sha}", "commitOid": repo.sha,
+                           "pullRequestUrl": None})
+
     def _route(self):
         hub: HubServer = self.server.hub
         url = urlsplit(self.path)
@@ -121,6 +193,12 @@ class _Handler(BaseHTTPRequestHandler):
         if token is not None and token not in hub.tokens:
             return self._error(401, None, "Invalid credentials in Authorization header")
 
+        if url.path == "/api/whoami-v2":
+            if token is None:
+                return self._error(401, None, "Invalid credentials in Authorization header")
+            name = hub.users.get(token, "anonymous")
+            return self._json({"type": "user", "name": name, "fullname": name, "orgs": [],
+                               "auth": {"type": "access_token", "accessToken": {"role": "write"}}})
         api, resolve = API_RE.fullmatch(url.path), RESOLVE_RE.fullmatch(url.path)
         m = api or resolve
         if m is None:

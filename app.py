@@ -1,0 +1,381 @@
+"""Lowerbench in the browser: a thin Gradio layer over `recipes.run.run` (the same function the CLI calls).
+Each job runs in its own process (torch.export is not thread-safe, and a crash must not take the UI down)
+and writes into its own folder under the jobs root.
+
+    python app.py [--host 127.0.0.1] [--port 7860]
+
+Environment: LOWERBENCH_JOBS_DIR (default ./jobs), LOWERBENCH_JOB_MAX_AGE_H (job folders older than this
+are deleted, default 6), LOWERBENCH_CONCURRENCY (jobs at once, default 2), LOWERBENCH_ALLOW_LOCAL_PATHS
+(default 1, or 0 on a Space).
+"""
+
+import argparse
+import html
+import multiprocessing
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from errors import UserFacingError
+
+ROOT = Path(__file__).resolve().parent
+BUILTIN, HUB, LOCAL = "Built-in SmolLM2-135M-Instruct", "Hugging Face Hub repo", "Local path"
+ON_SPACE = bool(os.environ.get("SPACE_ID"))
+
+
+def jobs_root() -> Path:
+    return Path(os.environ.get("LOWERBENCH_JOBS_DIR", ROOT / "jobs")).resolve()
+
+
+def clean_old_jobs(root: Path, max_age_s: float) -> None:
+    if not root.is_dir():
+        return
+    now = time.time()
+    for job in root.iterdir():
+        if job.is_dir() and now - job.stat().st_mtime > max_age_s:
+            shutil.rmtree(job, ignore_errors=True)
+
+
+def new_job_dir() -> Path:
+    root = jobs_root()
+    clean_old_jobs(root, float(os.environ.get("LOWERBENCH_JOB_MAX_AGE_H", "6")) * 3600)
+    job = root / uuid.uuid4().hex
+    job.mkdir(parents=True)
+    return job
+
+
+def _job_process(request, messages, cancel_flag) -> None:
+    """Runs in the job's own process: run() with progress sent back and the UI's cancel relayed."""
+    from recipes.run import run
+
+    cancel = threading.Event()
+    threading.Thread(target=lambda: (cancel_flag.wait(), cancel.set()), daemon=True).start()
+    try:
+        summary = run(request, progress=lambda f, m: messages.put(("progress", f, m)), cancel=cancel)
+        messages.put(("done", summary))
+    except UserFacingError as err:
+        messages.put(("error", str(err)))
+    except BaseException as err:  # the UI gets one line; the server log gets the traceback
+        traceback.print_exc()
+        messages.put(("error", f"internal error ({type(err).__name__}); the server log has the details."))
+
+
+_CANCELS: dict[str, object] = {}  # session -> cancel flag of its running job
+_CANCELS_LOCK = threading.Lock()
+
+
+def run_job(request, session: str, progress) -> dict:
+    """run() in a fresh process; raises UserFacingError with run()'s message when it fails."""
+    context = multiprocessing.get_context("spawn")
+    messages, cancel_flag = context.Queue(), context.Event()
+    with _CANCELS_LOCK:
+        _CANCELS[session] = cancel_flag
+    process = context.Process(target=_job_process, args=(request, messages, cancel_flag), daemon=True)
+    try:
+        progress(0.0, "starting the job")
+        process.start()
+        while True:
+            try:
+                message = messages.get(timeout=0.5)
+            except queue.Empty:
+                if not process.is_alive():
+                    raise UserFacingError(f"the job stopped unexpectedly (exit code {process.exitcode}); "
+                                          "it may have run out of memory. Try a smaller model or fewer recipes.")
+                continue
+            if message[0] == "progress":
+                progress(message[1], message[2])
+            elif message[0] == "done":
+                return message[1]
+            else:
+                raise UserFacingError(message[1])
+    finally:
+        with _CANCELS_LOCK:
+            if _CANCELS.get(session) is cancel_flag:
+                del _CANCELS[session]
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+
+
+def cancel_job(session: str) -> bool:
+    with _CANCELS_LOCK:
+        flag = _CANCELS.get(session)
+    if flag is None:
+        return False
+    flag.set()
+    return True
+
+
+def backends() -> dict[str, list]:
+    from recipes.registry import RECIPES, load_backends
+
+    load_backends()
+    grouped: dict[str, list] = {}
+    for recipe in sorted(RECIPES.values(), key=lambda r: (r.backend, r.name)):
+        grouped.setdefault(recipe.backend, []).append(recipe)
+    return grouped
+
+
+def backend_option_defaults(grouped: dict[str, list]) -> dict[tuple[str, str], object]:
+    """(backend, option) -> default, for recipe options other than the shared group size."""
+    found = {}
+    for backend, recipes in grouped.items():
+        for recipe in recipes:
+            for key, value in recipe.options.items():
+                if key != "group_size":
+                    found.setdefault((backend, key), value)
+    return found
+
+
+def choose_model(source: str, hub_repo: str, local_path: str) -> str | None:
+    from models.hub import check_repo_id
+
+    if source == HUB:
+        if not (hub_repo or "").strip():
+            raise UserFacingError("type a Hub repo id, e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct'.")
+        check_repo_id(hub_repo.strip())  # a Hub id only: '../x' must not reach the local-path branch
+        return hub_repo.strip()
+    if source == LOCAL:
+        if os.environ.get("LOWERBENCH_ALLOW_LOCAL_PATHS", "0" if ON_SPACE else "1") != "1":
+            raise UserFacingError("local paths are disabled on this server; use the built-in model or a Hub repo.")
+        if not (local_path or "").strip():
+            raise UserFacingError("type the path of a local Hugging Face folder or .gguf file.")
+        return local_path.strip()
+    return None
+
+
+def op_rows(summary: dict) -> list[dict]:
+    rows = []
+    for report in summary["recipes"]:
+        for op in (report.get("delegation") or {}).get("ops", []):
+            rows.append({"backend": report["recipe"]["backend"], "recipe": report["recipe"]["name"], **op})
+    return rows
+
+
+def filter_ops(rows: list[dict], choice: str):
+    import pandas as pd
+
+    kept = [r for r in rows or [] if choice in (None, "", "all", r["backend"], r["recipe"])]
+    return pd.DataFrame(kept, columns=["backend", "recipe", "op", "delegated", "non_delegated"])
+
+
+def delegation_frame(rows: list[dict]):
+    import pandas as pd
+
+    long = []
+    for row in rows:
+        for kind in ("delegated", "non_delegated"):
+            long.append({"recipe": row["recipe"], "nodes": row[f"{kind}_nodes"] or 0,
+                         "kind": kind.replace("_", "-")})
+    return pd.DataFrame(long, columns=["recipe", "nodes", "kind"])
+
+
+def generation_columns(summary: dict) -> str:
+    """fp32 eager first, then one column per recipe; a failed recipe shows its error in its own column."""
+    columns = [("fp32 reference", summary["reference"], None)]
+    for report in summary["recipes"]:
+        generated = [g for g in report["generations"] if g["engine"] != "eager-fp32"]
+        error = report["errors"][0]["message"] if report["errors"] else None
+        columns.append((report["recipe"]["name"], generated[0] if generated else None, error))
+    cells = []
+    for title, generation, error in columns:
+        body = []
+        if generation:
+            body.append(f'<div class="lb-engine">{html.escape(generation["engine"])} · '
+                        f'{generation["decode_tokens_per_s"]} tok/s decode · '
+                        f'{generation["prefill_tokens_per_s"]} tok/s prefill</div>')
+            body.append(f'<div class="lb-text">{html.escape(generation["text"])}</div>')
+        if error:
+            body.append(f'<div class="lb-error">error: {html.escape(error)}</div>')
+        cells.append(f'<div class="lb-col"><h4>{html.escape(title)}</h4>{"".join(body)}</div>')
+    return f'<div class="lb-cols">{"".join(cells)}</div>'
+
+
+def download_files(summary: dict) -> list[str]:
+    files = []
+    for report in summary["recipes"]:
+        if report.get("pte"):
+            recipe_dir = Path(report["pte"]["path"]).parent
+            files += [str(recipe_dir / "model.pte"), str(recipe_dir / "report.json")]
+    return files
+
+
+CSS = """
+.lb-cols {display: flex; gap: 12px; overflow-x: auto}
+.lb-col {flex: 1 1 0; min-width: 200px; border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px}
+.lb-engine {font-size: 0.85em; opacity: 0.8; margin-bottom: 6px}
+.lb-text {white-space: pre-wrap}
+.lb-error {color: var(--error-text-color, #b91c1c); white-space: pre-wrap}
+"""
+
+
+def build_app():
+    import gradio as gr
+    import pandas as pd
+
+    from recipes.generate import DEFAULT_PROMPT
+    from recipes.run import RunRequest, summary_rows
+
+    grouped = backends()
+    all_recipes = [r.name for recipes in grouped.values() for r in recipes]
+    option_defaults = backend_option_defaults(grouped)
+
+    def selected_recipes(*values):
+        enabled, choices = values[: len(grouped)], values[len(grouped):]
+        return [name for on, names in zip(enabled, choices) if on for name in names or []]
+
+    def collect_options(*values):
+        return {key: value for (_, key), value in zip(option_defaults, values)}
+
+    def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
+              group_size, options, oauth_token: gr.OAuthToken | None = None, request: gr.Request = None,
+              progress=gr.Progress()):
+        try:
+            model = choose_model(source, hub_repo, local_path)
+            job = new_job_dir()
+            run_request = RunRequest(
+                recipes=list(recipes or []), out_dir=job, model=model, revision=(revision or "").strip() or None,
+                token=(oauth_token.token if oauth_token else None) or (token or "").strip() or None,
+                prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
+                options={**(options or {}), **({"group_size": int(group_size)} if group_size else {})},
+            )
+            session = request.session_hash if request is not None else job.name
+            try:
+                summary = run_job(run_request, session, lambda f, m: progress(f, desc=m))
+            except UserFacingError:
+                shutil.rmtree(job, ignore_errors=True)  # a failed or cancelled job leaves nothing behind
+                raise
+        except UserFacingError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        rows = summary_rows(summary)
+        ops = op_rows(summary)
+        finished = [r["recipe"]["name"] for r in summary["recipes"] if r.get("pte")]
+        failed = [r for r in rows if r["error"]]
+        status = f"Job `{job.name}`: {len(rows) - len(failed)} of {len(rows)} recipes finished."
+        dirs = {r["recipe"]["name"]: str(Path(r["pte"]["path"]).parent) for r in summary["recipes"] if r.get("pte")}
+        return (
+            status, pd.DataFrame(rows), delegation_frame(rows),
+            filter_ops(ops, "all"),
+            gr.Dropdown(choices=["all", *dict.fromkeys(r["backend"] for r in rows), *(r["recipe"] for r in rows)],
+                        value="all"),
+            generation_columns(summary), download_files(summary),
+            gr.Dropdown(choices=finished, value=finished[0] if finished else None), ops, dirs,
+        )
+
+    def cancel(request: gr.Request):
+        if cancel_job(request.session_hash):
+            return "Cancelling after the current stage…"
+        return "No job of yours is running."
+
+    def push(recipe, repo_name, private, token, dirs, oauth_token: gr.OAuthToken | None = None):
+        from recipes.publish import push_to_hub
+
+        if not recipe or recipe not in (dirs or {}):
+            raise gr.Error("run a recipe first, then choose which one to push.", print_exception=False)
+        try:
+            url = push_to_hub(dirs[recipe], repo_name or "", (oauth_token.token if oauth_token else None)
+                              or (token or "").strip() or None, private=bool(private))
+        except UserFacingError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        return f"Pushed {recipe}: {url}"
+
+    with gr.Blocks(title="Lowerbench") as demo:
+        gr.Markdown("# Lowerbench\nLower a Llama checkpoint to ExecuTorch with one or more backend recipes and "
+                    "compare them side by side. The same runs from a script: `python -m recipes run --recipe A "
+                    "--recipe B --out DIR`.")
+        with gr.Row():
+            with gr.Column(scale=1):
+                source = gr.Radio([BUILTIN, HUB, LOCAL], value=BUILTIN, label="Model")
+                with gr.Row():
+                    hub_repo = gr.Textbox(label="Hub repo id", placeholder="HuggingFaceTB/SmolLM2-135M-Instruct")
+                    revision = gr.Textbox(label="Revision", placeholder="main")
+                local_path = gr.Textbox(label="Local path (Hugging Face folder or .gguf)")
+                if ON_SPACE:
+                    gr.LoginButton()
+                token = gr.Textbox(label="Hub token (for gated models and pushing; never stored)", type="password")
+            with gr.Column(scale=1):
+                enabled, choices = [], []
+                for backend, recipes in grouped.items():
+                    with gr.Group():
+                        enabled.append(gr.Checkbox(label=backend.upper(), value=backend == "xnnpack",
+                                                   elem_id=f"backend-{backend}"))
+                        choices.append(gr.CheckboxGroup(
+                            [(f"{r.quantization} — {r.description}", r.name) for r in recipes],
+                            value=[r.name for r in recipes if r.name == "xnnpack-8da4w"],
+                            label=f"{backend} quantization", elem_id=f"recipes-{backend}"))
+                recipes_box = gr.Dropdown(all_recipes, value=selected_recipes(
+                    *[c.value for c in enabled], *[c.value for c in choices]), multiselect=True,
+                    label="Recipes to run", interactive=False)
+                with gr.Accordion("Advanced", open=False):
+                    max_seq_len = gr.Number(512, label="Max context (tokens)", precision=0, minimum=16)
+                    group_size = gr.Number(32, label="Weight group size", precision=0, minimum=0)
+                    option_inputs = []
+                    for (backend, key), default in option_defaults.items():
+                        label = f"{backend}: {key}"
+                        if isinstance(default, bool):
+                            option_inputs.append(gr.Checkbox(default, label=label))
+                        elif isinstance(default, (int, float)):
+                            option_inputs.append(gr.Number(default, label=label))
+                        else:
+                            option_inputs.append(gr.Textbox(str(default), label=label))
+                    options_box = gr.JSON(collect_options(*[c.value for c in option_inputs]), visible=False)
+                prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
+                max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
+                with gr.Row():
+                    lower_btn = gr.Button("Lower", variant="primary")
+                    cancel_btn = gr.Button("Cancel", variant="stop")
+        status = gr.Markdown()
+        summary_table = gr.DataFrame(label="Summary (one row per recipe)", elem_id="summary-table")
+        chart = gr.BarPlot(x="recipe", y="nodes", color="kind", label="Delegated vs non-delegated nodes")
+        with gr.Row():
+            op_filter = gr.Dropdown(["all"], value="all", label="Per-op table: backend or recipe")
+        op_table = gr.DataFrame(label="Per-op delegation")
+        gr.Markdown("### Sample generations")
+        generations = gr.HTML(elem_id="generations")
+        files = gr.File(label="Downloads (.pte and report.json per recipe)", file_count="multiple")
+        with gr.Accordion("Push to Hub", open=False):
+            push_recipe = gr.Dropdown([], label="Recipe")
+            repo_name = gr.Textbox(label="Repo (name, or owner/name; created if missing)")
+            private = gr.Checkbox(False, label="Private")
+            push_btn = gr.Button("Push to Hub")
+            push_status = gr.Markdown()
+        ops_state, dirs_state = gr.State([]), gr.State({})
+
+        for component in [*enabled, *choices]:
+            component.change(selected_recipes, [*enabled, *choices], recipes_box, queue=False, api_visibility="private")
+        for component in option_inputs:
+            component.change(collect_options, option_inputs, options_box, queue=False, api_visibility="private")
+        lower_btn.click(
+            lower,
+            [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
+             group_size, options_box],
+            [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state],
+            api_name="lower",
+        )
+        cancel_btn.click(cancel, None, status, concurrency_limit=None, api_name="cancel")
+        op_filter.change(filter_ops, [ops_state, op_filter], op_table, queue=False, api_visibility="private")
+        push_btn.click(push, [push_recipe, repo_name, private, token, dirs_state], push_status, api_name="push")
+    return demo
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Lowerbench web app")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    args = parser.parse_args(argv)
+    root = jobs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    demo = build_app()
+    demo.queue(default_concurrency_limit=int(os.environ.get("LOWERBENCH_CONCURRENCY", "2")))
+    demo.launch(server_name=args.host, server_port=args.port, allowed_paths=[str(root)], css=CSS,
+                show_error=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

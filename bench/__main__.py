@@ -1,0 +1,281 @@
+"""Lowerbench against its peers, in one run: decode speed, export cost, and export scaling with depth.
+
+    python3 -m bench [--runs 3] [--phases decode,export,scaling] [--layers 1,2,4,8,16,30]
+
+Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
+process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
+Results: bench/results/<phase>.json, bench/results/README.md (tables), bench/results/scaling.png.
+`bash bench/setup.sh` first (llama-cpp-python, matplotlib, the optimum-executorch venv)."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from bench.checkpoints import builtin_gguf, hf_folder
+from bench.measure import run_measured
+from bench import table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TMP = RESULTS / "tmp"
+OPTIMUM_VENV = ROOT / "bench" / ".venv-optimum"
+PY = sys.executable
+MAX_SEQ_LEN = 512
+
+
+def machine() -> dict:
+    import psutil
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "os": platform.platform(), "python": platform.python_version()}
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def lowerbench_export_cmd(out: Path) -> list[str]:
+    return [PY, "-m", "recipes", "run", "--recipe", "xnnpack-8da4w", "--out", str(out),
+            "--max-seq-len", str(MAX_SEQ_LEN)]
+
+
+def optimum_export_cmd(hf: Path, out: Path) -> list[str]:
+    return [str(OPTIMUM_VENV / "bin" / "optimum-cli"), "export", "executorch", "--model", str(hf),
+            "--task", "text-generation", "--recipe", "xnnpack", "--qlinear", "8da4w", "--qlinear_group_size", "32",
+            "--qembedding", "8w",
+            "--use_custom_sdpa", "--use_custom_kv_cache", "--max_seq_len", str(MAX_SEQ_LEN), "--output_dir", str(out)]
+
+
+def optimum_available() -> str | None:
+    """None when optimum-cli is installed, else why not."""
+    if not (OPTIMUM_VENV / "bin" / "optimum-cli").is_file():
+        return f"{OPTIMUM_VENV} has no optimum-cli; run `bash bench/setup.sh`"
+    return None
+
+
+def optimum_pte(hf: Path, log_dir: Path) -> Path | None:
+    """The optimum .pte for the decode comparison: the one the export phase made, or a fresh export."""
+    found = sorted(TMP.glob("optimum-export-*/model.pte"))
+    if found:
+        return found[0]
+    if optimum_available():
+        return None
+    out = TMP / "optimum-export-0"
+    record = run_measured(optimum_export_cmd(hf, out), log_dir / "optimum-export-0.log", cwd=ROOT)
+    return out / "model.pte" if record["returncode"] == 0 else None
+
+
+def lowerbench_pte(log_dir: Path) -> Path | None:
+    found = sorted(TMP.glob("lowerbench-export-*/model.pte")) + sorted(TMP.glob("lowerbench-pte/model.pte"))
+    if found:
+        return found[0]
+    out = TMP / "lowerbench-pte"
+    record = run_measured(lowerbench_export_cmd(out), log_dir / "lowerbench-pte.log", cwd=ROOT)
+    return out / "model.pte" if record["returncode"] == 0 else None
+
+
+def phase_decode(args, hf: Path) -> dict:
+    log_dir = TMP / "logs"
+    engines: dict[str, list[str] | None] = {}
+    skipped = {}
+    wanted = lambda name: name not in args.skip and (not args.peers or name in args.peers)
+    pte = lowerbench_pte(log_dir) if wanted("lowerbench-pte") else None
+    common = ["--hf", str(hf), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+    engines["lowerbench-pte"] = [PY, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), *common] if pte else None
+    if pte is None and wanted("lowerbench-pte"):
+        skipped["lowerbench-pte"] = "the Lowerbench export failed (see bench/results/tmp/logs)"
+    if importlib.util.find_spec("llama_cpp") is not None:
+        engines["llama.cpp"] = [PY, "-m", "bench.decode", "llama.cpp", "--gguf", str(builtin_gguf()), *common]
+    else:
+        skipped["llama.cpp"] = "llama-cpp-python is not installed; run `bash bench/setup.sh`"
+    engines["hf-eager"] = [PY, "-m", "bench.decode", "hf-eager", *common]
+    if wanted("optimum-pte"):
+        opte = optimum_pte(hf, log_dir)
+        if opte is not None:
+            engines["optimum-pte"] = [PY, "-m", "bench.decode", "optimum-pte", "--pte", str(opte), *common]
+        else:
+            skipped["optimum-pte"] = optimum_available() or "optimum export failed (see bench/results/tmp/logs)"
+    for name in list(engines):
+        if name in args.skip or (args.peers and name not in args.peers):
+            engines.pop(name)
+    for name in args.skip:
+        skipped.setdefault(name, "skipped with --skip")
+    runs = []
+    for i in range(args.runs):
+        for name, cmd in engines.items():
+            if cmd is None:
+                continue
+            record = run_measured(cmd, log_dir / f"decode-{name}-{i}.log", cwd=ROOT)
+            record.update(engine=name, run=i)
+            runs.append(record)
+            _progress(f"decode {name} run {i}: {(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
+    return {"skipped": skipped, "runs": runs,
+            "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
+                         "greedy": True, "eos_ignored": True}}
+
+
+def summarize_decode(data: dict) -> dict:
+    summary = {}
+    for name in dict.fromkeys(r["engine"] for r in data["runs"]):
+        ok = [r["result"] for r in data["runs"] if r["engine"] == name and r["returncode"] == 0 and r["result"]]
+        summary[name] = {
+            "runs": len(ok),
+            "prefill_tokens_per_s": median([r["prefill_tokens_per_s"] for r in ok]),
+            "decode_tokens_per_s": median([r["decode_tokens_per_s"] for r in ok]),
+            "prefill_tokens_per_cpu_s": median([r.get("prefill_tokens_per_cpu_s") for r in ok]),
+            "decode_tokens_per_cpu_s": median([r.get("decode_tokens_per_cpu_s") for r in ok]),
+            "prompt_tokens": ok[0]["prompt_tokens"] if ok else None,
+            "new_tokens": ok[0]["new_tokens"] if ok else None,
+            "text": ok[0]["text"] if ok else None,
+        }
+    return {"engines": summary}
+
+
+def phase_export(args, hf: Path) -> dict:
+    log_dir = TMP / "logs"
+    peers = {"lowerbench": lambda i: lowerbench_export_cmd(TMP / f"lowerbench-export-{i}")}
+    skipped = {}
+    why_not = optimum_available()
+    if why_not or "optimum" in args.skip:
+        skipped["optimum"] = why_not or "skipped with --skip"
+    else:
+        peers["optimum"] = lambda i: optimum_export_cmd(hf, TMP / f"optimum-export-{i}")
+    peers = {k: v for k, v in peers.items() if not args.peers or k in args.peers}
+    runs = []
+    for i in range(args.runs):
+        for name, cmd in peers.items():
+            out = Path(cmd(i)[-1])
+            shutil.rmtree(out, ignore_errors=True)
+            record = run_measured(cmd(i), log_dir / f"export-{name}-{i}.log", cwd=ROOT,
+                                  timeout_s=args.export_timeout)
+            record.update(peer=name, run=i, timeout_s=args.export_timeout)
+            if name == "lowerbench":
+                report = out / "report.json"
+                record["timings_s"] = json.loads(report.read_text())["timings_s"] if report.is_file() else None
+            pte = next(iter(sorted(out.glob("*.pte"))), None)
+            record["pte_bytes"] = pte.stat().st_size if pte else None
+            runs.append(record)
+            _progress(f"export {name} run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB, rc {record['returncode']}")
+    return {"skipped": skipped, "runs": runs, "settings": {"max_seq_len": MAX_SEQ_LEN}}
+
+
+def summarize_export(data: dict) -> dict:
+    summary = {}
+    for name in dict.fromkeys(r["peer"] for r in data["runs"]):
+        mine = [r for r in data["runs"] if r["peer"] == name]
+        ok = [r for r in mine if r["returncode"] == 0]
+        row = {"runs": len(ok), "failed_runs": [{"wall_s": r["wall_s"], "cpu_s": r.get("cpu_s"), "returncode": r["returncode"],
+                                                "peak_rss_mb": r["peak_rss_mb"],
+                                                "killed_after_s": r.get("timeout_s")} for r in mine if r["returncode"] != 0],
+               "wall_s": median([r["wall_s"] for r in ok]),
+               "peak_rss_mb": median([r["peak_rss_mb"] for r in ok]), "cpu_s": median([r["cpu_s"] for r in ok]),
+               "pte_mb": median([r["pte_bytes"] / 1e6 for r in ok if r["pte_bytes"]])}
+        stages = [r["timings_s"] for r in ok if r.get("timings_s")]
+        if stages:
+            keys = ("load", "reference_generation", "quantize", "export", "lower", "serialize", "generate")
+            row["stages_s"] = {k: median([s.get(k) for s in stages]) for k in keys}
+            row["export_path_s"] = median([sum(s.get(k) or 0 for k in ("load", "quantize", "export", "lower", "serialize"))
+                                           for s in stages])
+        summary[name] = row
+    return {"peers": summary}
+
+
+def phase_scaling(args, hf: Path) -> dict:
+    log_dir = TMP / "logs"
+    runs = []
+    for i in range(args.runs):
+        for n in args.layers:  # every depth once per run, so a slow spell of the machine hits all depths alike
+            cmd = [PY, "-m", "bench.scaling", "--hf", str(hf), "--layers", str(n), "--max-seq-len", str(MAX_SEQ_LEN)]
+            record = run_measured(cmd, log_dir / f"scaling-{n}-{i}.log", cwd=ROOT)
+            record.update(layers=n, run=i)
+            runs.append(record)
+            _progress(f"scaling {n} layers run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB")
+    return {"runs": runs, "settings": {"max_seq_len": MAX_SEQ_LEN, "recipe": "xnnpack-8da4w"}}
+
+
+def summarize_scaling(data: dict) -> dict:
+    summary = []
+    for n in sorted({r["layers"] for r in data["runs"]}):
+        ok = [r for r in data["runs"] if r["layers"] == n and r["returncode"] == 0 and r["result"]]
+        if not ok:
+            continue
+        stages = [r["result"]["timings_s"] for r in ok]
+        summary.append({"layers": n, "runs": len(ok), "wall_s": median([r["wall_s"] for r in ok]),
+                        "peak_rss_mb": median([r["peak_rss_mb"] for r in ok]), "cpu_s": median([r["cpu_s"] for r in ok]),
+                        "stages_s": {k: median([s[k] for s in stages]) for k in stages[0]}})
+    return {"layers": summary}
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {dt.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
+
+
+PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "export": (phase_export, summarize_export, "peer"),
+          "scaling": (phase_scaling, summarize_scaling, "layers")}
+
+
+def save_phase(name: str, meta: dict, result: dict) -> None:
+    """With --peers, runs of the other peers already in <phase>.json are kept, so a phase can be filled
+    in piece by piece (each run record keeps its own time and load average)."""
+    _run, summarize, key = PHASES[name]
+    path = RESULTS / f"{name}.json"
+    if meta["peers"] and path.is_file():
+        old = json.loads(path.read_text())
+        kept = [r for r in old["runs"] if str(r[key]) not in meta["peers"]]
+        result["runs"] = kept + result["runs"]
+        result["skipped"] = {**old.get("skipped", {}), **result.get("skipped", {})}
+        for peer in {str(r[key]) for r in result["runs"]}:
+            result["skipped"].pop(peer, None)
+        meta["earlier_meta"] = old["meta"]
+    data = {"meta": meta, **result}
+    data.update(summarize(data))
+    path.write_text(json.dumps(data, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure (median); default 3")
+    parser.add_argument("--phases", default="decode,export,scaling")
+    parser.add_argument("--layers", default="1,2,4,8,16,30", help="decoder layer counts for the scaling phase")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip", default="", help="peers to leave out, e.g. optimum-pte,optimum")
+    parser.add_argument("--peers", default="", help="only these peers (e.g. llama.cpp,hf-eager or optimum); "
+                        "other peers' runs already in the phase's JSON are kept")
+    parser.add_argument("--export-timeout", type=float, default=3600, help="seconds before an export is killed")
+    parser.add_argument("--note", default="", help="a caveat printed with the tables (e.g. a shared CPU)")
+    args = parser.parse_args()
+    args.layers = [int(x) for x in args.layers.split(",") if x]
+    args.skip = [x for x in args.skip.split(",") if x]
+    args.peers = [x for x in args.peers.split(",") if x]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    hf = hf_folder()
+    for name in [p for p in args.phases.split(",") if p]:
+        meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+                "runs_requested": args.runs, "load_average_before": load_average(), "note": args.note,
+                "peers": args.peers}
+        _progress(f"phase {name}")
+        result = PHASES[name][0](args, hf)
+        meta["load_average_after"] = load_average()
+        save_phase(name, meta, result)
+        table.write_all(RESULTS)
+    print((RESULTS / "README.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

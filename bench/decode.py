@@ -1,0 +1,169 @@
+"""One engine, one greedy generation of exactly N new tokens, in its own process; prints one JSON line.
+
+    python -m bench.decode ENGINE [--pte FILE] [--gguf FILE] [--hf FOLDER] [--threads 2] [--new-tokens 64]
+
+Engines: lowerbench-pte and optimum-pte (the .pte on executorch.runtime through recipes/generate.py's
+loop), llama.cpp (llama-cpp-python on the GGUF), hf-eager (transformers generate, fp32).
+Every engine gets the same prompt token ids (the chat template of the model's own tokenizer), and end
+of sequence is ignored so each produces the same number of tokens."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from recipes import generate as gen
+
+MAX_SEQ_LEN = 512
+
+
+class _NeverStops:
+    """The tokenizer with no end-of-sequence token: generate() then always makes max_new_tokens."""
+
+    eos_token_id = None
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def load_tokenizer(hf_folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_folder)
+
+
+def set_runtime_threads(threads: int) -> None:
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    _unsafe_reset_threadpool(threads)
+
+
+def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str) -> dict:
+    """positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
+    forward(input_ids, cache_position[T])."""
+    from recipes.xnnpack import _RUNTIME_IMPORTS
+
+    loaded = gen.load_runtime_method(pte, _RUNTIME_IMPORTS)
+    set_runtime_threads(threads)
+    step = gen.runtime_step(loaded)
+    if positions == "all":
+        plain = step
+
+        def step(tokens, input_pos):
+            start = int(input_pos[0])
+            return plain(tokens, torch.arange(start, start + tokens.shape[1], dtype=torch.long))
+
+    cpu = []
+    timed = step
+
+    def step(tokens, input_pos):
+        start = time.process_time()
+        logits = timed(tokens, input_pos)
+        cpu.append(time.process_time() - start)
+        return logits
+
+    result = gen.generate(step, "executorch-runtime", _NeverStops(tokenizer), prompt, new_tokens, MAX_SEQ_LEN).to_dict()
+    return {**result, **_cpu_rates(result["prompt_tokens"], result["new_tokens"], cpu[0], sum(cpu[1:]))}
+
+
+def llama_cpp(gguf: str, tokenizer, prompt: str, new_tokens: int, threads: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=MAX_SEQ_LEN, n_threads=threads, n_threads_batch=threads,
+                n_batch=MAX_SEQ_LEN, verbose=False)
+    ids = gen.prompt_token_ids(tokenizer, prompt)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    llm.eval(ids)
+    prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    start, cpu_start = time.perf_counter(), time.process_time()
+    while len(out) < new_tokens:
+        llm.eval([out[-1]])
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    decode_s, decode_cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return {**_result("llama.cpp", prompt, tokenizer, ids, out, prefill_s, decode_s),
+            **_cpu_rates(len(ids), len(out), prefill_cpu, decode_cpu)}
+
+
+def hf_eager(hf_folder: str, tokenizer, prompt: str, new_tokens: int, threads: int) -> dict:
+    """transformers generate, greedy; a streamer stamps the prompt and each new token, so prefill
+    (prompt -> first token) and decode (the rest) are timed apart in one generate call."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    ids = gen.prompt_token_ids(tokenizer, prompt)
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.times, self.cpu = [], []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+
+        def end(self):
+            pass
+
+    stamps = Stamps()
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=stamps, pad_token_id=tokenizer.eos_token_id,
+        )
+    out = output[0, len(ids):].tolist()
+    prefill_s = stamps.times[1] - stamps.times[0]
+    decode_s = stamps.times[-1] - stamps.times[1]
+    return {**_result("hf-eager-fp32", prompt, tokenizer, ids, out, prefill_s, decode_s),
+            **_cpu_rates(len(ids), len(out), stamps.cpu[1] - stamps.cpu[0], stamps.cpu[-1] - stamps.cpu[1])}
+
+
+def _result(engine, prompt, tokenizer, ids, out, prefill_s, decode_s) -> dict:
+    return {
+        "engine": engine, "prompt": prompt, "text": tokenizer.decode(out, skip_special_tokens=True).strip(),
+        "prompt_tokens": len(ids), "new_tokens": len(out),
+        "prefill_tokens_per_s": round(len(ids) / prefill_s, 2),
+        "decode_tokens_per_s": round((len(out) - 1) / decode_s, 2),
+    }
+
+
+def _cpu_rates(prompt_tokens: int, new_tokens: int, prefill_cpu_s: float, decode_cpu_s: float) -> dict:
+    """Tokens per CPU-second (all threads of this process): a figure that other jobs on a shared CPU
+    distort far less than wall-clock tokens/s (spinning thread pools still count)."""
+    return {"prefill_tokens_per_cpu_s": round(prompt_tokens / prefill_cpu_s, 2) if prefill_cpu_s > 0 else None,
+            "decode_tokens_per_cpu_s": round((new_tokens - 1) / decode_cpu_s, 2) if decode_cpu_s > 0 else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("engine", choices=["lowerbench-pte", "optimum-pte", "llama.cpp", "hf-eager"])
+    parser.add_argument("--pte")
+    parser.add_argument("--gguf")
+    parser.add_argument("--hf", required=True, help="HF folder: tokenizer for every engine, weights for hf-eager")
+    parser.add_argument("--prompt", default=gen.DEFAULT_PROMPT)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(args.hf)
+    if args.engine == "lowerbench-pte":
+        result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "start")
+    elif args.engine == "optimum-pte":
+        result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "all")
+    elif args.engine == "llama.cpp":
+        result = llama_cpp(args.gguf, tokenizer, args.prompt, args.new_tokens, args.threads)
+    else:
+        result = hf_eager(args.hf, tokenizer, args.prompt, args.new_tokens, args.threads)
+    result["engine"] = args.engine
+    result["threads"] = args.threads
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Run one command as a child process; wall time and peak RSS of its whole process tree
+(sum of RSS over the tree, polled), plus what the child printed as its last JSON line."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+POLL_S = 0.1
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def run_measured(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None,
+                 timeout_s: float | None = None) -> dict:
+    """{cmd, returncode, wall_s, peak_rss_mb, cpu_s, result (the last stdout line that parses as JSON)}."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **(env or {})}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    with open(log, "wb") as out:
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, env=full_env, cwd=cwd)
+        watched = psutil.Process(child.pid)
+        peak = 0
+        stdout_chunks = []
+        import threading
+
+        reader = threading.Thread(target=lambda: stdout_chunks.append(child.stdout.read()), daemon=True)
+        reader.start()
+        while child.poll() is None:
+            peak = max(peak, tree_rss(watched))
+            if timeout_s is not None and time.perf_counter() - started > timeout_s:
+                for p in [*watched.children(recursive=True), watched]:
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+                break
+            time.sleep(POLL_S)
+        child.wait()
+        wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reader.join()
+    stdout = b"".join(stdout_chunks).decode(errors="replace")
+    with open(log, "ab") as out:
+        out.write(b"\n--- stdout ---\n" + stdout.encode())
+    result = None
+    for line in reversed(stdout.splitlines()):
+        try:
+            result = json.loads(line)
+            break
+        except json.JSONDecodeError:
+            continue
+    return {"cmd": cmd, "returncode": child.returncode, "wall_s": round(wall, 2),
+            "peak_rss_mb": round(peak / 2**20, 1),
+            # CPU seconds of the waited-for tree: less distorted than wall time when other jobs share the CPU
+            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2), "result": result, "log": str(log)}

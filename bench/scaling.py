@@ -1,0 +1,47 @@
+"""Export the first N decoder layers of a Hugging Face folder with Lowerbench's own functions
+(xnnpack-8da4w), in this process; prints one JSON line of stage seconds.
+
+    python -m bench.scaling --hf FOLDER --layers N [--max-seq-len 512]"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from bench.checkpoints import truncated
+from models.checkpoint import load_folder
+from models.llama import ExportOptions, build_exportable
+from quant.schemes import apply_scheme
+from recipes.lowering import export_program, lower_to_pte
+from recipes.registry import get_recipe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf", required=True)
+    parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--recipe", default="xnnpack-8da4w")
+    args = parser.parse_args()
+    recipe = get_recipe(args.recipe)
+    timings = {}
+    start = time.perf_counter()
+    checkpoint = load_folder(args.hf)
+    config, state = truncated(checkpoint.config, checkpoint.state_dict, args.layers)
+    timings["load"] = time.perf_counter() - start
+    start = time.perf_counter()
+    module = build_exportable(config, state, ExportOptions(args.max_seq_len, attention=recipe.attention, dtype=recipe.dtype))
+    apply_scheme(module, recipe.quantization, recipe.options.get("group_size"))
+    timings["quantize"] = time.perf_counter() - start
+    start = time.perf_counter()
+    program = export_program(module, args.max_seq_len)
+    timings["export"] = time.perf_counter() - start
+    lowered = lower_to_pte(program, recipe.partitioners(recipe.options))
+    timings["lower"], timings["serialize"] = lowered.lower_s, lowered.serialize_s
+    timings = {k: round(v, 3) for k, v in timings.items()}
+    timings["export_path"] = round(sum(timings[k] for k in ("quantize", "export", "lower", "serialize")), 3)
+    print(json.dumps({"layers": args.layers, "timings_s": timings, "pte_bytes": len(lowered.pte)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""bench/results/*.json -> bench/results/README.md (markdown tables, ratios against the peer measured
+in the same run) and bench/results/scaling.png."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The issue's targets, checked in the tables.
+TARGET_EXPORT_VS_OPTIMUM = 0.25
+TARGET_PEAK_RSS_MB = 3 * 1024
+TARGET_DECODE_VS_LLAMA_CPP = 1.5
+TARGET_DECODE_VS_OPTIMUM = 1.25
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}×" if a and b else "–"
+
+
+def fmt(x, digits=1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _meta_line(meta: dict) -> str:
+    m = meta["machine"]
+    runs = meta.get("runs_requested")
+    line = (f"{meta['date']} · {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB · median of {runs} run"
+            f"{'s' if runs != 1 else ''} per figure, peers run in turn within each run · load average before/after "
+            f"{meta['load_average_before'][0]} / {meta['load_average_after'][0]}")
+    return line + (f" · {meta['note']}" if meta.get("note") else "")
+
+
+def decode_table(data: dict) -> list[str]:
+    engines = data["engines"]
+    lb = engines.get("lowerbench-pte", {})
+    s = data["settings"]
+    lines = [f"### Decode ({s['new_tokens']} new tokens, greedy, {s['threads']} threads, same prompt token ids)",
+             _meta_line(data["meta"]), "",
+             "| engine | prefill tok/s | decode tok/s | Lowerbench ÷ engine (decode) | target "
+             "| prefill tok/CPU-s | decode tok/CPU-s | Lowerbench ÷ engine (decode, per CPU-s) | runs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    targets = {"llama.cpp": TARGET_DECODE_VS_LLAMA_CPP, "optimum-pte": TARGET_DECODE_VS_OPTIMUM}
+    for name, row in engines.items():
+        target = f"≥ {targets[name]}×" if name in targets else ""
+        rel = "" if name == "lowerbench-pte" else ratio(lb.get("decode_tokens_per_s"), row["decode_tokens_per_s"])
+        rel_cpu = "" if name == "lowerbench-pte" else ratio(lb.get("decode_tokens_per_cpu_s"), row.get("decode_tokens_per_cpu_s"))
+        lines.append(f"| {name} | {fmt(row['prefill_tokens_per_s'])} | {fmt(row['decode_tokens_per_s'])} | {rel} "
+                     f"| {target} | {fmt(row.get('prefill_tokens_per_cpu_s'))} | {fmt(row.get('decode_tokens_per_cpu_s'))} "
+                     f"| {rel_cpu} | {row['runs']} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | | | | 0 |")
+    lines += ["", "tok/CPU-s: tokens per CPU-second of the engine's process (all its threads); other jobs on a "
+                  "shared CPU distort it far less than wall-clock tok/s."]
+    return lines
+
+
+def export_table(data: dict) -> list[str]:
+    peers = data["peers"]
+    lb, opt = peers.get("lowerbench", {}), peers.get("optimum", {})
+    lines = [f"### Export (xnnpack-8da4w vs optimum-cli xnnpack 8da4w/8w, max_seq_len {data['settings']['max_seq_len']})",
+             _meta_line(data["meta"]), "",
+             "| tool | wall s | CPU s | peak RSS MB (process tree) | .pte MB | runs |", "|---|---|---|---|---|---|"]
+    for name, row in peers.items():
+        lines.append(f"| {name} | {fmt(row['wall_s'])} | {fmt(row.get('cpu_s'))} | {fmt(row['peak_rss_mb'], 0)} "
+                     f"| {fmt(row['pte_mb'])} | {row['runs']} |")
+        for failed in row.get("failed_runs", []):
+            lines.append(f"| {name} (unfinished) | > {fmt(failed['wall_s'])} | > {fmt(failed['cpu_s'])} "
+                         f"| ≥ {fmt(failed.get('peak_rss_mb'), 0)} | | exit {failed['returncode']} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | 0 |")
+    if lb.get("wall_s") and opt.get("wall_s"):
+        lines += ["", f"Lowerbench ÷ optimum wall time: **{ratio(lb['wall_s'], opt['wall_s'])}** "
+                      f"(target ≤ {TARGET_EXPORT_VS_OPTIMUM}×); without Lowerbench's two generations "
+                      f"(load + quantize + export + lower + serialize): {ratio(lb.get('export_path_s'), opt['wall_s'])}. "
+                      f"CPU-time ratio {ratio(lb.get('cpu_s'), opt.get('cpu_s'))}. "
+                      f"Peak RSS ratio {ratio(lb['peak_rss_mb'], opt['peak_rss_mb'])}. "
+                      "optimum-cli reports no stage times, so per-stage ratios are not available."]
+    if lb.get("stages_s"):
+        stages = lb["stages_s"]
+        lines += ["", "Lowerbench stages (s, report.json timings_s): "
+                  + " · ".join(f"{k} {fmt(v)}" for k, v in stages.items() if v is not None)]
+    if lb.get("peak_rss_mb"):
+        ok = "meets" if lb["peak_rss_mb"] <= TARGET_PEAK_RSS_MB else "misses"
+        lines.append(f"Lowerbench peak RSS {fmt(lb['peak_rss_mb'], 0)} MB {ok} the ≤ 3 GB target.")
+    return lines
+
+
+def scaling_table(data: dict) -> list[str]:
+    rows = data["layers"]
+    lines = [f"### Export scaling with depth ({data['settings']['recipe']}, Lowerbench functions in one process)",
+             _meta_line(data["meta"]), "", "![export time and peak RSS vs layers](scaling.png)", "",
+             "| layers | load s | quantize s | export s | lower s | serialize s | quantize→serialize s | s per layer | peak RSS MB | runs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        s = row["stages_s"]
+        lines.append(f"| {row['layers']} | {fmt(s['load'])} | {fmt(s['quantize'])} | {fmt(s['export'])} | {fmt(s['lower'])} "
+                     f"| {fmt(s['serialize'])} | {fmt(s['export_path'])} | {fmt(s['export_path'] / row['layers'], 2)} "
+                     f"| {fmt(row['peak_rss_mb'], 0)} | {row['runs']} |")
+    if len(rows) >= 3:
+        lines += ["", f"Growth: {_growth(rows)}"]
+    return lines
+
+
+def _growth(rows: list[dict]) -> str:
+    """Least-squares fit of quantize→serialize time = a + b·L + c·L²; quadratic growth shows as c·L² being a
+    large share of the time at the deepest point."""
+    import numpy as np
+
+    layers = np.array([r["layers"] for r in rows], dtype=float)
+    t = np.array([r["stages_s"]["export_path"] for r in rows])
+    if len(rows) < 3:
+        return "too few points"
+    c, b, a = np.polyfit(layers, t, 2)
+    share = c * layers[-1] ** 2 / t[-1]
+    return (f"fit t ≈ {a:.1f} + {b:.2f}·L + {c:.4f}·L² s; the L² term is {share:.0%} of the time at "
+            f"{int(layers[-1])} layers ({'linear' if abs(share) < 0.15 else 'not linear'} by that measure).")
+
+
+def scaling_plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["layers"]
+    layers = [r["layers"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("export_path", "quantize→serialize"), ("export", "torch.export"), ("lower", "to_edge_transform_and_lower")):
+        ax.plot(layers, [r["stages_s"][key] for r in rows], marker="o", label=label)
+    ax.set_xlabel("decoder layers")
+    ax.set_ylabel("seconds")
+    rss = ax.twinx()
+    rss.plot(layers, [r["peak_rss_mb"] for r in rows], color="grey", linestyle="--", marker="x", label="peak RSS")
+    rss.set_ylabel("peak RSS MB (dashed)")
+    ax.legend(loc="upper left")
+    ax.set_title(f"Lowerbench export vs depth (median of {data['meta']['runs_requested']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_all(results: Path) -> None:
+    lines = ["# Lowerbench benchmark results", "",
+             "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
+    for name, render in (("decode", decode_table), ("export", export_table), ("scaling", scaling_table)):
+        path = results / f"{name}.json"
+        if not path.is_file():
+            lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]
+            continue
+        data = json.loads(path.read_text())
+        lines += render(data) + [""]
+        if name == "scaling" and data["layers"]:
+            scaling_plot(data, results / "scaling.png")
+    (results / "README.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    write_all(Path(__file__).resolve().parent / "results")

@@ -1,0 +1,68 @@
+"""PT2E quantization schemes for Qualcomm QNN: QnnQuantizer annotates the exported graph, torchao's
+prepare_pt2e inserts observers, the calibration prompts run through it, convert_pt2e folds the
+observers into quantize/dequantize pairs, and the result is exported again and given QNN's
+export-pipeline passes. The returned ExportedProgram is the one that is lowered and, as
+`program.module()`, the one whose generation the QNN column shows (eager-qnn-simulated)."""
+from __future__ import annotations
+
+import torch
+
+from quant.schemes import SCHEMES, Scheme
+
+# scheme name -> QuantDtype member of executorch.backends.qualcomm.quantizer.quantizer
+QNN_QUANT_DTYPES = {"qnn-16a4w": "use_16a4w", "qnn-16a8w": "use_16a8w", "qnn-8a8w": "use_8a8w"}
+
+
+def qnn_quantizer(scheme: str, options: dict):
+    from recipes.qnn import chipset
+
+    soc, _arch = chipset(options)  # also imports executorch.backends.qualcomm without an SDK download
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+
+    quantizer = QnnQuantizer(soc_model=soc)
+    # Per-channel weights: 4-bit per-tensor weights lose too much on a language model.
+    quantizer.set_default_quant_config(
+        getattr(QuantDtype, QNN_QUANT_DTYPES[scheme]), is_conv_per_channel=True, is_linear_per_channel=True
+    )
+    return quantizer
+
+
+def quantize_exported_qnn(scheme: str, program: torch.export.ExportedProgram, calibration, options: dict):
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from recipes.qnn import import_qnn_backend
+
+    import_qnn_backend()
+    from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
+
+    # prepare_pt2e runs QnnQuantizer.transform_for_annotation (QNN's annotation-pipeline passes) itself.
+    prepared = prepare_pt2e(program.module(), qnn_quantizer(scheme, options))
+    with torch.no_grad():
+        for tokens, input_pos in calibration:
+            prepared(tokens, input_pos)
+    converted = convert_pt2e(prepared)
+    for name, buffer in converted.named_buffers():
+        if name.endswith("_cache"):
+            buffer.zero_()  # calibration filled the KV caches; the program starts from empty ones
+    # QNN HTP compiles static shapes only: the program is exported again for one token per call
+    # (prefill then runs token by token, as ExecuTorch's QNN Llama runner does in its KV mode).
+    one_token = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
+    with torch.no_grad():
+        quantized = torch.export.export(converted, one_token, strict=True)
+    return QnnHtpPassManager().transform_for_export_pipeline(quantized)
+
+
+def _scheme(name: str, description: str) -> Scheme:
+    return Scheme(
+        name, description, quantize_exported=lambda program, calibration, options: quantize_exported_qnn(
+            name, program, calibration, options
+        )
+    )
+
+
+for _s in (
+    _scheme("qnn-16a4w", "QnnQuantizer PT2E: 16-bit activations, 4-bit per-channel weights, calibrated"),
+    _scheme("qnn-16a8w", "QnnQuantizer PT2E: 16-bit activations, 8-bit per-channel weights, calibrated"),
+    _scheme("qnn-8a8w", "QnnQuantizer PT2E: 8-bit activations, 8-bit per-channel weights, calibrated"),
+):
+    SCHEMES.setdefault(_s.name, _s)

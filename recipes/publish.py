@@ -1,0 +1,108 @@
+"""Publish one recipe's output (model.pte + report.json) to a Hugging Face Hub model repo with a generated
+model card. Used by the app's "Push to Hub" button and callable from scripts:
+
+    from recipes.publish import push_to_hub
+    url = push_to_hub("out/smollm2-8da4w", "me/smollm2-8da4w-xnnpack", token=os.environ["HF_TOKEN"])
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from errors import UserFacingError
+
+
+def model_card(report: dict) -> str:
+    """README.md for the repo: base model, recipe, delegation summary, fidelity when measured, versions."""
+    model, recipe = report["model"], report["recipe"]
+    delegation = report.get("delegation") or {}
+    base = model.get("id") or "unknown"
+    lines = ["---", "library_name: executorch", "tags:", "- executorch", f"- {recipe['backend']}", "- lowerbench"]
+    if model.get("source") in ("hub", "builtin") and "/" in base:
+        lines += [f"base_model: {base}"]
+    lines += ["---", "", f"# {base} · {recipe['name']}", "",
+              f"An ExecuTorch program (`model.pte`) of [{base}](https://huggingface.co/{base}) made by Lowerbench "
+              f"with the `{recipe['name']}` recipe: backend {recipe['backend']}, quantization "
+              f"`{recipe['quantization']}`, max context {recipe['max_seq_len']} tokens.", ""]
+    if model.get("revision"):
+        lines += [f"Base model revision: `{model['revision']}`.", ""]
+    options = recipe.get("options") or {}
+    if options:
+        lines += ["Recipe options: " + ", ".join(f"`{k}={v}`" for k, v in sorted(options.items())) + ".", ""]
+    if delegation:
+        lines += ["## Delegation", "",
+                  f"{delegation.get('delegated_nodes')} nodes delegated to {recipe['backend']} in "
+                  f"{delegation.get('delegated_subgraphs')} subgraphs, {delegation.get('non_delegated_nodes')} "
+                  f"left to the portable kernels ({delegation.get('delegated_percent')}% delegated).", ""]
+    if report.get("fidelity"):
+        lines += ["## Fidelity against fp32", "", "```json", json.dumps(report["fidelity"], indent=2), "```", ""]
+    generations = report.get("generations") or []
+    if generations:
+        lines += ["## Sample generations", "", "| engine | decode tok/s | text |", "|---|---|---|"]
+        for g in generations:
+            text = g["text"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {g['engine']} | {g['decode_tokens_per_s']} | {text} |")
+        lines.append("")
+    pte = report.get("pte") or {}
+    if pte:
+        lines += [f"`model.pte`: {pte['bytes']} bytes, sha256 `{pte['sha256']}`.", ""]
+    versions = report.get("versions") or {}
+    lines += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in versions.items() if v), "",
+              "`report.json` holds the full report (timings, per-op delegation table, generations)."]
+    return "\n".join(lines) + "\n"
+
+
+def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private: bool = False) -> str:
+    """Creates `repo_id` if needed (a name without 'owner/' goes to the token's user) and uploads
+    model.pte, report.json and README.md in one commit. Returns the commit URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:  # huggingface_hub 2.x talks through its httpx fork, 1.x through httpx itself
+        from httpx2 import TransportError
+    except ImportError:
+        from httpx import TransportError
+
+    if not token:
+        raise UserFacingError("pushing needs a Hugging Face token with write access; log in or paste a token.")
+    recipe_dir = Path(recipe_dir)
+    pte, report_file = recipe_dir / "model.pte", recipe_dir / "report.json"
+    if not pte.is_file() or not report_file.is_file():
+        raise UserFacingError(f"{recipe_dir} has no finished model.pte + report.json; run the recipe first.")
+    report = json.loads(report_file.read_text())
+    repo_id = repo_id.strip()
+    if not repo_id:
+        raise UserFacingError("give a repo name to push to, e.g. 'smollm2-xnnpack-8da4w'.")
+    api = HfApi(token=token)
+    try:
+        if "/" not in repo_id:
+            repo_id = f"{api.whoami()['name']}/{repo_id}"
+        validate_repo_id(repo_id)
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as staging:
+            staging = Path(staging)
+            shutil.copy(pte, staging / "model.pte")
+            shutil.copy(report_file, staging / "report.json")
+            (staging / "README.md").write_text(model_card(report))
+            commit = api.upload_folder(
+                repo_id=repo_id, folder_path=staging, repo_type="model",
+                commit_message=f"Add {report['recipe']['name']} ExecuTorch program (Lowerbench)",
+            )
+    except HFValidationError:
+        raise UserFacingError(f"{repo_id!r} is not a valid repo name; use letters, digits, '-', '_' and '.'.") from None
+    except HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else None
+        if status == 401:
+            raise UserFacingError("the Hub refused the token (invalid or expired); create one with write access at "
+                                  "https://huggingface.co/settings/tokens.") from None
+        if status == 403:
+            raise UserFacingError(f"the token may not write to {repo_id}; use a token with write access to that "
+                                  "namespace, or push to your own namespace.") from None
+        raise UserFacingError(f"the Hub refused the push to {repo_id} (HTTP {status}); try again later.") from None
+    except (TransportError, OSError) as err:
+        raise UserFacingError(f"cannot reach the Hub to push {repo_id} ({type(err).__name__}); check the "
+                              "network and try again.") from None
+    return commit.commit_url if hasattr(commit, "commit_url") else str(commit)

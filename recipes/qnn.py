@@ -1,0 +1,313 @@
+"""Qualcomm QNN (HTP): QnnQuantizer through torchao's PT2E flow (quant/pt2e.py), then QnnPartitioner
+compiles the graph into a QNN context binary inside the .pte. The .pte runs only on a Snapdragon
+device; here the column shows the PT2E-simulated model (engine eager-qnn-simulated).
+
+executorch.backends.qualcomm is imported only when a QNN recipe runs: with QNN_SDK_ROOT unset its
+import tries to download the QNN SDK. Host libraries are looked up in this order: QNN_SDK_ROOT,
+LD_LIBRARY_PATH, ExecuTorch's SDK cache, and PyPI's onnxruntime-qnn (QNN 2.47 libraries plus a
+struct-layout shim: for lowering checks, not for shipping; see docs/qnn.md)."""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from errors import UserFacingError
+from recipes.registry import Recipe, register
+
+QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK executorch 1.4.1 is built against
+HOST_LIB_DIR = Path("lib") / "x86_64-linux-clang"
+DEFAULT_SOC = "SM8650"
+# QNN library versions the deviceCreate shim was checked on (onnxruntime-qnn 2.3.0 and 2.7.0).
+SHIM_CHECKED_VERSIONS = ("v2.47.", "v2.51.")
+SHIM_LABEL = ("QNN {version} libraries from onnxruntime-qnn {wheel} with a struct-layout shim "
+              "— for lowering checks, not for shipping")
+
+NO_QNN_LIBRARIES = (
+    "QNN lowering needs Qualcomm's QNN host libraries (libQnnHtp.so, libQnnSystem.so) and none were found "
+    "(looked in $QNN_SDK_ROOT/lib/x86_64-linux-clang, LD_LIBRARY_PATH and {cache}). "
+    f"Install the QNN SDK {QNN_SDK_VERSION} (Qualcomm AI Runtime Community) and "
+    f"`export QNN_SDK_ROOT=/path/to/qairt/{QNN_SDK_VERSION}`, "
+    "or, for lowering checks only, `pip install onnxruntime-qnn==2.3.0`. "
+    "The QNN column shows the PT2E-simulated model meanwhile."
+)
+
+
+@dataclass(frozen=True)
+class QnnLibraries:
+    source: str  # QNN_SDK_ROOT | LD_LIBRARY_PATH | executorch cache | onnxruntime-qnn
+    lib_dir: Path  # holds libQnnHtp.so and libQnnSystem.so
+
+
+def executorch_qnn_cache() -> Path:
+    """Where ExecuTorch's own installer (backends/qualcomm/scripts/download_qnn_sdk.py) keeps the SDK."""
+    if os.environ.get("QNN_STAGING_DIR"):
+        return Path(os.environ["QNN_STAGING_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "executorch" / "qnn"
+
+
+def onnxruntime_qnn_dir() -> Path | None:
+    spec = importlib.util.find_spec("onnxruntime_qnn")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def find_qnn_libraries() -> QnnLibraries | None:
+    """The first place that has libQnnHtp.so; checks files only (a failed SDK download leaves an
+    empty cache directory behind, so the directory alone proves nothing)."""
+    candidates = []
+    # a root this module made for onnxruntime-qnn is not a user's SDK: report the wheel, found below
+    if os.environ.get("QNN_SDK_ROOT") and Path(os.environ["QNN_SDK_ROOT"]) not in _SHAPED_ROOTS.values():
+        candidates.append(("QNN_SDK_ROOT", Path(os.environ["QNN_SDK_ROOT"]) / HOST_LIB_DIR))
+    for entry in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)):
+        candidates.append(("LD_LIBRARY_PATH", Path(entry)))
+    candidates.append(("executorch cache", executorch_qnn_cache() / f"sdk-{QNN_SDK_VERSION}" / HOST_LIB_DIR))
+    wheel_dir = onnxruntime_qnn_dir()
+    if wheel_dir is not None:
+        candidates.append(("onnxruntime-qnn", wheel_dir))
+    for source, lib_dir in candidates:
+        if (lib_dir / "libQnnHtp.so").is_file() and (lib_dir / "libQnnSystem.so").is_file():
+            return QnnLibraries(source, lib_dir)
+    return None
+
+
+@contextmanager
+def _no_sdk_download():
+    """Lets `import executorch.backends.qualcomm` skip its SDK download: the quantizer needs no library."""
+    saved = os.environ.get("EXECUTORCH_BUILDING_WHEEL")
+    os.environ["EXECUTORCH_BUILDING_WHEEL"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("EXECUTORCH_BUILDING_WHEEL", None)
+        else:
+            os.environ["EXECUTORCH_BUILDING_WHEEL"] = saved
+
+
+def import_qnn_backend() -> None:
+    """Imports executorch.backends.qualcomm without triggering its network SDK download."""
+    import sys
+
+    if "executorch.backends.qualcomm" in sys.modules:
+        return
+    libraries = find_qnn_libraries()
+    if libraries is not None:
+        os.environ["QNN_SDK_ROOT"] = str(_sdk_root_for(libraries))
+        import executorch.backends.qualcomm  # noqa: F401
+    else:
+        with _no_sdk_download():
+            import executorch.backends.qualcomm  # noqa: F401
+
+
+_SHAPED_ROOTS: dict[Path, Path] = {}
+
+
+def _sdk_root_for(libraries: QnnLibraries) -> Path:
+    """A QNN_SDK_ROOT whose lib/x86_64-linux-clang/libQnnHtp.so exists: ExecuTorch's
+    get_sdk_build_id (called while partitioning embeddings) aborts the process without that file."""
+    lib_dir = libraries.lib_dir.resolve()
+    if (lib_dir.parent.parent / HOST_LIB_DIR).resolve() == lib_dir:
+        return lib_dir.parent.parent
+    if lib_dir not in _SHAPED_ROOTS:
+        root = Path(tempfile.mkdtemp(prefix="lowerbench-qnn-sdk-"))
+        (root / HOST_LIB_DIR).parent.mkdir(parents=True)
+        (root / HOST_LIB_DIR).symlink_to(lib_dir, target_is_directory=True)
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _SHAPED_ROOTS[lib_dir] = root
+    return _SHAPED_ROOTS[lib_dir]
+
+
+@dataclass(frozen=True)
+class LoadedQnn:
+    libraries: QnnLibraries
+    version: str  # QNN build id of libQnnHtp.so, e.g. v2.47.0.260601114230
+    label: str  # what the report says about these libraries
+
+
+_LOADED: LoadedQnn | None = None
+
+
+def load_qnn_libraries() -> LoadedQnn:
+    """Finds the host QNN libraries (fast UserFacingError if there are none), points QNN_SDK_ROOT at
+    them and loads them once per process, with the deviceCreate shim for QNN 2.47/2.51."""
+    global _LOADED
+    libraries = find_qnn_libraries()
+    if libraries is None:
+        raise UserFacingError(NO_QNN_LIBRARIES.format(cache=executorch_qnn_cache() / f"sdk-{QNN_SDK_VERSION}"))
+    if _LOADED is not None:
+        if _LOADED.libraries.lib_dir.resolve() != libraries.lib_dir.resolve():
+            raise UserFacingError(
+                f"QNN libraries from {_LOADED.libraries.lib_dir} are already loaded in this process; "
+                f"restart it to use {libraries.lib_dir}."
+            )
+        os.environ["QNN_SDK_ROOT"] = str(_sdk_root_for(libraries))
+        return _LOADED
+    os.environ["QNN_SDK_ROOT"] = str(_sdk_root_for(libraries))
+    import torch  # noqa: F401  (loading QNN libraries before torch and the adaptor crashed: "Pure virtual function called")
+
+    import_qnn_backend()
+    from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
+
+    # Safe here: find_qnn_libraries checked the file (a missing one aborts the process, uncatchable).
+    version = PyQnnManagerAdaptor.GetQnnSdkBuildId(str(libraries.lib_dir / "libQnnHtp.so"))
+    # ExecuTorch dlopens "libQnnHtp.so" by bare name; an already loaded library of that soname is reused.
+    htp = ctypes.CDLL(str(libraries.lib_dir / "libQnnHtp.so"), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(libraries.lib_dir / "libQnnSystem.so"), mode=ctypes.RTLD_GLOBAL)
+    label = f"QNN {version} from {libraries.source} ({libraries.lib_dir})"
+    if not version.startswith(f"v{QNN_SDK_VERSION[:4]}"):
+        if not version.startswith(SHIM_CHECKED_VERSIONS):
+            raise UserFacingError(
+                f"the QNN libraries in {libraries.lib_dir} are {version}; ExecuTorch 1.4.1 needs QNN {QNN_SDK_VERSION} "
+                f"(the struct-layout shim for newer libraries was checked on {', '.join(v + 'x' for v in SHIM_CHECKED_VERSIONS)} only)."
+            )
+        _patch_device_create(htp)
+        label = (SHIM_LABEL.format(version=version, wheel=_wheel_version()) if libraries.source == "onnxruntime-qnn"
+                 else f"QNN {version} libraries from {libraries.source} ({libraries.lib_dir}) with a struct-layout shim "
+                 "— for lowering checks, not for shipping")
+    _LOADED = LoadedQnn(libraries, version, label)
+    return _LOADED
+
+
+def _wheel_version() -> str:
+    try:
+        return importlib.metadata.version("onnxruntime-qnn")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+_SHIM_KEEPALIVE: list = []
+
+
+def _patch_device_create(htp: ctypes.CDLL) -> None:
+    """QNN 2.47+ moved the union of QnnHtpDevice_CustomConfig_t (QnnHtpDevice.h) from byte offset 4
+    to 8; ExecuTorch 1.4.1 fills it with the 2.37 layout, so QnnDevice_create rejects its SoC config
+    ("unknown custom config socModel 0"). This wraps the deviceCreate entry of every QnnInterface_t
+    (QnnInterface.h, returned by QnnInterface_getProviders) to copy each custom config's union to
+    offset 8. Slot and offsets come from the QNN headers and were confirmed on 2.47 and 2.51 only."""
+    get_providers = htp.QnnInterface_getProviders
+    get_providers.restype = ctypes.c_int
+    get_providers.argtypes = [ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)), ctypes.POINTER(ctypes.c_uint32)]
+    providers, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_uint32()
+    if get_providers(ctypes.byref(providers), ctypes.byref(count)) != 0 or count.value == 0:
+        raise UserFacingError("QnnInterface_getProviders failed on the onnxruntime-qnn libraries; use the QNN SDK.")
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    device_create_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+    for i in range(count.value):
+        # QnnInterface_t: backendId(4) + pad(4) + providerName(8) + apiVersion(24) = 40 bytes, then the
+        # function table, where deviceCreate is the 41st pointer.
+        slot = providers[i] + 40 + 8 * 40
+        real = device_create_t(ctypes.c_void_p.from_address(slot).value)
+
+        def device_create(logger, configs, device, _real=real):
+            rewritten, j = [], 0
+            while configs[j]:  # QnnDevice_Config_t {uint32 option; pad; void* customConfig}
+                if ctypes.c_uint32.from_address(configs[j]).value == 0:  # QNN_DEVICE_CONFIG_OPTION_CUSTOM
+                    src = ctypes.c_void_p.from_address(configs[j] + 8).value
+                    custom = (ctypes.c_uint32 * 16)()
+                    ctypes.memmove(custom, src, 4)  # option
+                    ctypes.memmove(ctypes.addressof(custom) + 8, src + 4, 40)  # union: offset 4 -> 8
+                    config = (ctypes.c_uint64 * 2)(0, ctypes.addressof(custom))
+                    _SHIM_KEEPALIVE.extend([custom, config])
+                    rewritten.append(ctypes.addressof(config))
+                else:
+                    rewritten.append(configs[j])
+                j += 1
+            array = (ctypes.c_void_p * (len(rewritten) + 1))(*rewritten, None)
+            _SHIM_KEEPALIVE.append(array)
+            return _real(logger, ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p)), device)
+
+        callback = device_create_t(device_create)
+        _SHIM_KEEPALIVE.append(callback)
+        if libc.mprotect(slot & ~4095, 8192, 3) != 0:  # PROT_READ | PROT_WRITE
+            raise UserFacingError("could not patch the QNN interface table (mprotect failed); use the QNN SDK.")
+        ctypes.c_void_p.from_address(slot).value = ctypes.cast(callback, ctypes.c_void_p).value
+
+
+def chipset(options: dict):
+    """The QcomChipset named by the `soc` option, and its HTP architecture (e.g. SM8650 -> v75)."""
+    import_qnn_backend()
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from executorch.backends.qualcomm.utils.utils import get_soc_to_htp_arch_map
+
+    name = str(options.get("soc") or DEFAULT_SOC).upper()
+    arches = get_soc_to_htp_arch_map()
+    if name not in QcomChipset.__members__ or name not in arches:
+        raise UserFacingError(f"unknown Qualcomm SoC {name!r}; choose one of: {', '.join(sorted(arches))}.")
+    return QcomChipset[name], f"v{int(arches[name])}"
+
+
+def qnn_partitioners(options: dict) -> list:
+    loaded = load_qnn_libraries()
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+    )
+
+    soc, arch = chipset(options)
+    # `options` is the report's recipe options: record what this .pte was compiled for, and with what.
+    options.update(soc=soc.name, htp_arch=arch, qnn_libraries=loaded.label)
+    specs = generate_qnn_executorch_compiler_spec(soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False))
+    return [QnnPartitioner(specs)]
+
+
+def qnn_edge_passes() -> list:
+    """QNN's to_edge stage passes (what to_edge_transform_and_lower_to_qnn hands to
+    to_edge_transform_and_lower), run on the edge program itself."""
+    from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
+
+    import_qnn_backend()
+    from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
+
+    class QnnToEdgePasses(ExportedProgramPassBase):
+        def call(self, exported_program):
+            QnnHtpPassManager().transform_for_to_edge_pipeline(exported_program)
+            return ExportedProgramPassResult(exported_program, True)
+
+    return [QnnToEdgePasses()]
+
+
+def qnn_edge_compile_config():
+    from executorch.exir import EdgeCompileConfig
+
+    # QNN's passes leave ops (e.g. its own q/dq placement) the edge IR verifier does not know.
+    return EdgeCompileConfig(_check_ir_validity=False)
+
+
+def cannot_run_on_this_host() -> str:
+    return "a QNN .pte runs only on a Qualcomm (Snapdragon) device with the QNN runtime, not on this x86_64 host"
+
+
+def _register(name: str, description: str) -> None:
+    register(
+        Recipe(
+            name=name,
+            backend="qnn",
+            quantization=name,  # the PT2E scheme of the same name, from quant/pt2e.py
+            description=description,
+            partitioners=qnn_partitioners,
+            attention="sdpa-onehot",  # int64 index_put (cache update) and 5-D repeat_interleave fall out of HTP
+            cannot_run_here=cannot_run_on_this_host,
+            edge_compile_config=qnn_edge_compile_config,
+            transform_passes=qnn_edge_passes,
+            options={"soc": DEFAULT_SOC},
+            eager_engine="eager-qnn-simulated",
+        )
+    )
+
+
+import quant.pt2e  # noqa: E402,F401  (registers the qnn-* PT2E schemes this file's recipes use)
+
+_register("qnn-16a4w", "Qualcomm HTP, 16-bit activations, 4-bit per-channel weights (PT2E, calibrated)")
+_register("qnn-16a8w", "Qualcomm HTP, 16-bit activations, 8-bit per-channel weights (PT2E, calibrated)")
+_register("qnn-8a8w", "Qualcomm HTP, 8-bit activations, 8-bit per-channel weights (PT2E, calibrated)")

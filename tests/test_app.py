@@ -1,0 +1,266 @@
+"""app.py end to end: `python app.py` in a subprocess, driven through gradio_client and through Debian's
+chromium with playwright. Jobs run the real pipeline on the tiny Llama, and (marked builtin) on SmolLM2."""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+TOKEN = "hf_secretTokenThatMustNeverShow42"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """The app on a free port, its jobs under a temp folder, the Hub pointed at a closed local port."""
+    tmp = tmp_path_factory.mktemp("app")
+    port = free_port()
+    env = {**os.environ, "LOWERBENCH_JOBS_DIR": str(tmp / "jobs"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+           "HF_HOME": str(tmp / "hf-home"), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SPACE_ID"):
+        env.pop(name, None)
+    log = open(tmp / "app.log", "w")
+    process = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            assert process.poll() is None, (tmp / "app.log").read_text()[-3000:]
+            assert time.time() < deadline, "the app did not start within 180 s"
+            time.sleep(0.5)
+    yield {"url": url, "jobs": tmp / "jobs", "log": tmp / "app.log"}
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+    assert TOKEN not in (tmp / "app.log").read_text()
+
+
+def tiny_args(tiny_llama_dir, **overrides):
+    args = dict(source="Local path", hub_repo="", revision="", local_path=str(tiny_llama_dir), token="",
+                recipes=["xnnpack-fp32"], prompt="the capital of France is", max_new_tokens=4, max_seq_len=64,
+                group_size=32, options={})
+    args.update(overrides)
+    return args
+
+
+def lower(client, **args):
+    return client.predict(**args, api_name="/lower")
+
+
+def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
+    from gradio_client import Client
+
+    started = time.time()
+    client = Client(app["url"], verbose=False)
+    status, summary, chart, ops, op_filter, generations, files, push_recipe = lower(
+        client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-fp32", "xnnpack-8da4w"], token=TOKEN))
+    print(f"tiny job with two recipes: {time.time() - started:.1f} s")
+
+    assert "2 of 2 recipes finished" in status
+    assert [row[0] for row in summary["data"]] == ["xnnpack-fp32", "xnnpack-8da4w"]
+    assert generations.index("eager-fp32") < generations.index("executorch-runtime")
+    assert generations.count("executorch-runtime") == 2
+    names = sorted(Path(f).name for f in files)
+    assert names == ["model.pte", "model.pte", "report.json", "report.json"]
+    jobs = [p for p in app["jobs"].iterdir()]
+    job = next(j for j in jobs if j.name in status)
+    for recipe in ("xnnpack-fp32", "xnnpack-8da4w"):
+        report = json.loads((job / recipe / "report.json").read_text())
+        assert report["pte"]["bytes"] > 0 and not report["errors"]
+        assert TOKEN not in (job / recipe / "report.json").read_text()
+    assert {row["recipe"] for row in json.loads((job / "summary.json").read_text())} == {"xnnpack-fp32", "xnnpack-8da4w"}
+
+
+def test_two_concurrent_jobs_use_separate_directories(app, tiny_llama_dir):
+    from gradio_client import Client
+
+    results, errors = {}, []
+
+    def one(name, recipe):
+        try:
+            results[name] = lower(Client(app["url"], verbose=False), **tiny_args(tiny_llama_dir, recipes=[recipe]))
+        except Exception as err:  # collected so the main thread reports it
+            errors.append(err)
+
+    started = time.time()
+    threads = [threading.Thread(target=one, args=(n, r)) for n, r in (("a", "xnnpack-fp32"), ("b", "xnnpack-8da4w"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    print(f"two concurrent tiny jobs: {time.time() - started:.1f} s")
+    assert not errors, errors
+    jobs = {name: re.search(r"Job `(\w+)`", result[0])[1] for name, result in results.items()}
+    assert jobs["a"] != jobs["b"]
+    for name, recipe in (("a", "xnnpack-fp32"), ("b", "xnnpack-8da4w")):
+        report = json.loads((app["jobs"] / jobs[name] / "report.json").read_text())
+        assert report["recipe"]["name"] == recipe and (app["jobs"] / jobs[name] / "model.pte").is_file()
+
+
+def test_cancel_leaves_nothing_behind(app, tiny_llama_dir):
+    from gradio_client import Client
+
+    client = Client(app["url"], verbose=False)
+    before = set(app["jobs"].iterdir())
+    job = client.submit(**tiny_args(tiny_llama_dir, recipes=["xnnpack-fp32", "xnnpack-8da4w"]), api_name="/lower")
+    deadline = time.time() + 120
+    while not (set(app["jobs"].iterdir()) - before):  # the job folder exists once run() is about to start
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert "Cancelling" in client.predict(api_name="/cancel")
+    with pytest.raises(Exception, match="cancelled"):
+        job.result(timeout=600)
+    assert set(app["jobs"].iterdir()) == before
+
+
+@pytest.mark.parametrize("repo", ["../../etc", "nobody/does-not-exist"])
+def test_bad_repo_is_an_error_and_the_app_stays_usable(app, tiny_llama_dir, repo):
+    from gradio_client import Client
+
+    client = Client(app["url"], verbose=False)
+    with pytest.raises(Exception) as info:
+        lower(client, **tiny_args(tiny_llama_dir, source="Hugging Face Hub repo", hub_repo=repo))
+    message = str(info.value)
+    assert ("not a valid Hugging Face repo id" in message) if repo.startswith("..") else ("cannot reach the Hub" in message)
+    assert "Traceback" not in message
+    status = lower(client, **tiny_args(tiny_llama_dir))[0]
+    assert "1 of 1 recipes finished" in status
+
+
+def launch_browser(playwright):
+    if not Path("/usr/bin/chromium").exists():
+        pytest.skip("Debian chromium is not installed (bash setup.sh --test)")
+    return playwright.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+
+
+def test_browser_error_toast_then_a_job_succeeds(app, tiny_llama_dir, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        page.get_by_label("Hugging Face Hub repo").check()
+        page.get_by_label("Hub repo id").fill("../../etc")
+        page.get_by_role("button", name="Lower", exact=True).click()
+        expect(page.get_by_text("is not a valid Hugging Face repo id").first).to_be_visible(timeout=60_000)
+        assert "Traceback" not in page.content()
+
+        page.get_by_label("Local path", exact=True).check()
+        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        page.get_by_role("button", name="Lower", exact=True).click()
+        expect(page.locator("#generations")).to_contain_text("executorch-runtime", timeout=600_000)
+        expect(page.locator("#summary-table")).to_contain_text("xnnpack-8da4w")
+        page.screenshot(path=str(tmp_path / "tiny.png"), full_page=True)
+        shutil_copy(tmp_path / "tiny.png")
+        browser.close()
+
+
+@pytest.mark.builtin
+@pytest.mark.timeout(3600)
+def test_browser_lowers_the_builtin_model(app, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        expect(page.get_by_label("Built-in SmolLM2-135M-Instruct")).to_be_checked()
+        started = time.time()
+        page.get_by_role("button", name="Lower", exact=True).click()
+        expect(page.get_by_text("loading the checkpoint").first).to_be_visible(timeout=120_000)
+        generations = page.locator("#generations")
+        expect(generations).to_contain_text("executorch-runtime", timeout=3_000_000)
+        print(f"built-in xnnpack-8da4w through the browser: {time.time() - started:.1f} s")
+        expect(page.locator("#summary-table")).to_contain_text("xnnpack-8da4w")
+        text = generations.inner_text()
+        assert "eager-fp32" in text and text.index("eager-fp32") < text.index("executorch-runtime")
+        assert "Paris" in text.split("xnnpack-8da4w", 1)[1]
+        page.screenshot(path=str(tmp_path / "builtin.png"), full_page=True)
+        shutil_copy(tmp_path / "builtin.png")
+        browser.close()
+
+
+def shutil_copy(png: Path) -> None:
+    """Keep the last screenshot where a person can look at it after the run (optional)."""
+    target = os.environ.get("LOWERBENCH_SCREENSHOT_DIR")
+    if target:
+        import shutil
+
+        Path(target).mkdir(parents=True, exist_ok=True)
+        shutil.copy(png, Path(target) / png.name)
+
+
+def test_model_card_describes_the_recipe(tiny_fp32_run):
+    from recipes.publish import model_card
+
+    _, report = tiny_fp32_run
+    card = model_card({**report, "fidelity": {"top1_agreement": 0.97}})
+    assert card.startswith("---\nlibrary_name: executorch\n")
+    assert "xnnpack-fp32" in card and "## Delegation" in card and "% delegated" in card
+    assert "top1_agreement" in card and "torch " in card and "executorch " in card
+    assert report["pte"]["sha256"] in card
+
+
+def test_push_refuses_cleanly_without_a_token(tiny_fp32_run):
+    from errors import UserFacingError
+    from recipes.publish import push_to_hub
+
+    with pytest.raises(UserFacingError, match="token"):
+        push_to_hub(tiny_fp32_run[0], "me/tiny", token=None)
+
+
+def test_push_to_hub_creates_the_repo_and_round_trips(hub, tiny_fp32_run, tmp_path):
+    from huggingface_hub import hf_hub_download
+
+    from errors import UserFacingError
+    from recipes.publish import push_to_hub
+    from tests.conftest import BAD_TOKEN, GOOD_TOKEN
+
+    hub.users[GOOD_TOKEN] = "tester"
+    folder, report = tiny_fp32_run
+    url = push_to_hub(folder, "tiny-xnnpack", token=GOOD_TOKEN)
+    assert url.startswith(hub.endpoint + "/tester/tiny-xnnpack/commit/")
+    assert hub.commits[-1][0] == "tester/tiny-xnnpack"
+    assert sorted(hub.commits[-1][2]) == ["README.md", "model.pte", "report.json"]
+    pte = hf_hub_download("tester/tiny-xnnpack", "model.pte", token=GOOD_TOKEN, cache_dir=tmp_path)
+    assert Path(pte).read_bytes() == (folder / "model.pte").read_bytes()
+
+    push_to_hub(folder, "tester/tiny-xnnpack", token=GOOD_TOKEN)  # an existing repo gets a new commit
+    assert len([c for c in hub.commits if c[0] == "tester/tiny-xnnpack"]) == 2
+    for token, expected in ((BAD_TOKEN, "invalid or expired"), (GOOD_TOKEN, "may not write")):
+        with pytest.raises(UserFacingError, match=expected) as info:
+            push_to_hub(folder, "org/tiny-llama", token=token)
+        assert token not in str(info.value)
+
+
+def test_the_same_from_a_script(tiny_llama_dir, tmp_path):
+    """What Lower does with two recipes, `python -m recipes run --recipe A --recipe B` does too."""
+    from tests.conftest import run_cli
+
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--recipe", "xnnpack-8da4w",
+                     "--out", str(out), "--max-seq-len", "64", "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "summary.json").read_text())
+    assert [row["recipe"] for row in rows] == ["xnnpack-fp32", "xnnpack-8da4w"]
+    for recipe in ("xnnpack-fp32", "xnnpack-8da4w"):
+        assert (out / recipe / "model.pte").is_file() and (out / recipe / "report.json").is_file()

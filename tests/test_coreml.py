@@ -1,0 +1,114 @@
+"""Core ML recipes: lowering on Linux through the one lowering call site, the delegation report with
+preserved ops and partitioner reasons, and the clear "needs macOS" message from the runtime."""
+import platform
+
+import pytest
+import torch
+
+from errors import UserFacingError
+
+IO_GLUE = {"getitem"}  # unpacking the delegate's outputs; what may stay outside a full delegation
+
+
+class WithAcosh(torch.nn.Module):
+    """The tiny Llama followed by acosh, an op the Core ML partitioner refuses (coremltools lacks it)."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, tokens, input_pos):
+        return torch.acosh(self.llama(tokens, input_pos).abs() + 1.0)
+
+    def reset_cache(self):
+        self.llama.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def tiny_coreml_int8_with_acosh(tiny_checkpoint):
+    from models.llama import ExportOptions, build_exportable
+    from quant.schemes import apply_scheme
+    from recipes.lowering import export_program, lower_to_pte
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("coreml-int8")
+    options = ExportOptions(max_seq_len=64, attention=recipe.attention, dtype=recipe.dtype)
+    module = WithAcosh(build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options))
+    apply_scheme(module, recipe.quantization)
+    return lower_to_pte(export_program(module, options.max_seq_len), recipe.partitioners(recipe.options))
+
+
+def test_coreml_recipes_registered_and_say_where_they_run():
+    from recipes.registry import get_recipe
+
+    for name in ("coreml-fp16", "coreml-fp32", "coreml-int8", "coreml-int4"):
+        recipe = get_recipe(name)
+        assert recipe.backend == "coreml" and recipe.attention == "sdpa-slice"
+        if platform.system() != "Darwin":
+            assert "Apple" in recipe.cannot_run_here()
+    with pytest.raises(UserFacingError, match="compute units"):
+        get_recipe("coreml-fp16").partitioners({"compute_units": "gpu_only"})
+
+
+def test_sdpa_slice_module_matches_sdpa(tiny_checkpoint):
+    from models.llama import ExportOptions, build_exportable
+
+    tokens = torch.tensor([[1, 4, 6, 8, 3]])
+    outs = []
+    for attention in ("sdpa", "sdpa-slice"):
+        module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=attention))
+        with torch.no_grad():
+            outs.append(torch.cat([module(tokens[:, :3], torch.tensor([0])), module(tokens[:, 3:4], torch.tensor([3])),
+                                   module(tokens[:, 4:5], torch.tensor([4]))], dim=1))
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-5
+
+
+def test_unsupported_op_stays_outside_with_its_reason(tiny_coreml_int8_with_acosh):
+    table = tiny_coreml_int8_with_acosh.delegation
+    ops = {o["op"]: o for o in table["ops"]}
+    acosh = ops["aten_acosh_default"]
+    assert acosh["non_delegated"] == 1 and acosh["delegated"] == 0
+    reasons = [r["reason"] for r in acosh["why_not_delegated"]]
+    assert any("not supported by CoreML" in r for r in reasons), reasons
+    assert all(r["source"].startswith("executorch.backends.apple.coreml") for r in acosh["why_not_delegated"])
+    assert ops["aten_linear_default"] == {**ops["aten_linear_default"], "delegated": 15, "non_delegated": 0}
+    assert ops["torchao_dequantize_affine_default"]["non_delegated"] == 0
+    assert ops["aten_scaled_dot_product_attention_default"]["delegated"] == 2
+    assert "aten.scaled_dot_product_attention.default" in table["preserved_ops"]["CoreMLPartitioner"]
+    assert table["edge_nodes_before_partitioning"] == tiny_coreml_int8_with_acosh.edge_nodes_before_partitioning
+    assert ops["aten_linear_default"]["before_partitioning"] == 15
+
+
+@pytest.mark.skipif(platform.system() == "Darwin", reason="the Core ML runtime exists on macOS")
+def test_runtime_load_says_needs_macos(tiny_coreml_int8_with_acosh, tmp_path):
+    from recipes.generate import delegate_backends, load_runtime_method
+
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(tiny_coreml_int8_with_acosh.pte)
+    assert delegate_backends(pte) == ["CoreMLBackend"]
+    with pytest.raises(UserFacingError, match="needs macOS") as err:
+        load_runtime_method(pte)
+    assert "CoreMLBackend" in str(err.value)
+
+
+@pytest.mark.builtin
+@pytest.mark.parametrize("name", ["coreml-fp16", "coreml-int4"])
+def test_builtin_model_lowers_to_coreml(builtin_coreml_run, name):
+    out, reports, _result = builtin_coreml_run
+    report = reports[name]
+    assert report["errors"] == []
+    assert (out / name / "model.pte").stat().st_size == report["pte"]["bytes"]
+    delegation = report["delegation"]
+    ops = {o["op"]: o for o in delegation["ops"]}
+    assert ops["aten_linear_default"]["delegated"] == 30 * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
+    sdpa = ops["aten_scaled_dot_product_attention_default"]
+    assert sdpa["delegated"] == 30 and sdpa["non_delegated"] == 0
+    assert {o["op"] for o in delegation["ops"] if o["non_delegated"]} <= IO_GLUE
+    assert delegation["non_delegated_nodes"] <= 2
+    assert delegation["edge_nodes_before_partitioning"] == delegation["delegated_nodes"]
+    assert "aten.scaled_dot_product_attention.default" in delegation["preserved_ops"]["CoreMLPartitioner"]
+    if name == "coreml-int4":
+        assert ops["torchao_dequantize_affine_default"]["delegated"] == 30 * 7 + 1
+    engines = [g["engine"] for g in report["generations"]]
+    if platform.system() != "Darwin":
+        assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report["runtime_note"]

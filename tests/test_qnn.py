@@ -1,0 +1,120 @@
+"""Qualcomm QNN: QnnQuantizer PT2E schemes, the no-SDK fast failure inside a side-by-side run, and
+(when host QNN libraries are present, e.g. onnxruntime-qnn) a real HTP partition + context binary."""
+import json
+import time
+
+import pytest
+import torch
+
+from errors import UserFacingError
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def no_qnn_libraries(monkeypatch, tmp_path):
+    """A process that sees no QNN host libraries anywhere (the installed onnxruntime-qnn hidden)."""
+    import recipes.qnn
+
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    monkeypatch.setenv("QNN_STAGING_DIR", str(tmp_path / "executorch-qnn-cache"))
+    monkeypatch.setattr(recipes.qnn, "onnxruntime_qnn_dir", lambda: None)
+
+
+def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_qnn_16a4w):
+    from recipes import generate as gen
+
+    checkpoint, program = tiny_qnn_16a4w
+    nodes = [n for n in program.graph.nodes if n.op == "call_function"]
+    linears = [n for n in nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 2 * 7 + 1
+    # every linear weight is 4-bit per output channel, every activation 16-bit
+    for linear in linears:
+        weight = linear.args[1]
+        assert weight.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
+        assert tuple(weight.args[4:6]) == (-7, 7)  # symmetric int4
+    act_q = [n for n in nodes if n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default]
+    assert act_q and all(n.args[4] - n.args[3] >= 65534 for n in act_q)  # 16-bit (uint16 or symmetric int16)
+    # a static one-token program: prefill runs token by token through the same q/dq graph
+    tokens = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == "tokens")
+    assert tuple(tokens.meta["val"].shape) == (1, 1)
+    result = gen.generate(gen.eager_step(program.module()), "eager-qnn-simulated", checkpoint.tokenizer,
+                          "what is the capital ?", 4, 32)
+    assert result.engine == "eager-qnn-simulated" and result.new_tokens >= 1
+
+
+def test_without_qnn_libraries_lowering_fails_fast_with_what_to_install(no_qnn_libraries):
+    from recipes.qnn import qnn_partitioners
+
+    started = time.perf_counter()
+    with pytest.raises(UserFacingError) as err:
+        qnn_partitioners({"soc": "SM8650"})
+    assert time.perf_counter() - started < 2.0
+    message = str(err.value)
+    assert "QNN_SDK_ROOT" in message and "2.37.0.250724" in message and "onnxruntime-qnn==2.3.0" in message
+
+
+def test_side_by_side_without_qnn_libraries_completes_xnnpack_and_records_qnn_error(
+    tiny_llama_dir, tmp_path, no_qnn_libraries
+):
+    from recipes.run import RunRequest, run
+
+    out = tmp_path / "out"
+    summary = run(RunRequest(recipes=["xnnpack-fp32", "qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir),
+                             prompt="what is the capital ?", max_new_tokens=4, max_seq_len=32))
+    xnnpack, qnn = summary["recipes"]
+    assert xnnpack["errors"] == [] and (out / "xnnpack-fp32" / "model.pte").is_file()
+    assert xnnpack["generations"][1]["engine"] == "executorch-runtime"
+    assert [e["stage"] for e in qnn["errors"]] == ["lower"]
+    assert "QNN_SDK_ROOT" in qnn["errors"][0]["message"] and "traceback" not in qnn["errors"][0]
+    assert qnn["generations"][1]["engine"] == "eager-qnn-simulated"
+    assert qnn["timings_s"]["calibration"]["prompts"] >= 1
+    assert not (out / "qnn-16a4w" / "model.pte").exists()
+    rows = json.loads((out / "summary.json").read_text())
+    assert rows[1]["engine"] == "eager-qnn-simulated" and "QNN_SDK_ROOT" in rows[1]["error"]
+
+
+def _has_qnn_libraries() -> bool:
+    from recipes.qnn import find_qnn_libraries
+
+    return find_qnn_libraries() is not None
+
+
+needs_qnn = pytest.mark.skipif(not _has_qnn_libraries(), reason="no QNN host libraries (pip install onnxruntime-qnn==2.3.0)")
+
+
+@needs_qnn
+def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
+    from recipes.run import RunRequest, run
+
+    out = tmp_path / "out"
+    summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir),
+                             prompt="what is the capital ?", max_new_tokens=4, max_seq_len=32))
+    report = summary["recipes"][0]
+    assert report["errors"] == [], report["errors"]
+    options = report["recipe"]["options"]
+    assert options["soc"] == "SM8650" and options["htp_arch"] == "v75"
+    assert options["qnn_libraries"]
+    ops = {o["op"]: o for o in report["delegation"]["ops"]}
+    assert ops["aten_linear_default"]["delegated"] == 2 * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
+    # the layers, KV-cache updates included, are one QNN partition; only position/mask prologue ops stay out
+    assert report["delegation"]["delegated_subgraphs"] <= 2
+    assert "aten_index_put_default" not in ops and "copy_" not in ops
+    assert report["generations"][1]["engine"] == "eager-qnn-simulated"
+    assert "Qualcomm" in report["runtime_note"]
+    pte = (out / "model.pte").read_bytes()
+    assert b"QnnBackend" in pte and report["pte"]["bytes"] == len(pte)
+
+
+@needs_qnn
+@pytest.mark.builtin
+def test_builtin_model_lowers_to_qnn_with_delegated_linears(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--recipe", "qnn-16a4w", "--out", str(out), "--max-seq-len", "128", "--max-new-tokens", "8",
+                     timeout=3600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
+    assert linear["delegated"] == 30 * 7 + 1 and linear["non_delegated"] == 0
+    assert report["generations"][1]["engine"] == "eager-qnn-simulated"
+    assert report["recipe"]["options"]["htp_arch"] == "v75"

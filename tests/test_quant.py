@@ -1,0 +1,176 @@
+"""Quantization schemes (torchao source transforms), the backend x scheme table, group-size checks and
+the one-quantization-per-scheme cache."""
+import pytest
+import torch
+
+from errors import UserFacingError
+from tests.conftest import run_cli
+
+HIDDEN = 64  # the tiny Llama's hidden size
+
+# scheme -> {"linear"/"embedding": (torchao target dtype, block size, dynamic int8 activations)}
+EXPECTED = {
+    "8da4w": {"linear": (torch.int4, 32, True), "embedding": (torch.int8, HIDDEN, False)},
+    "8da4w-emb4": {"linear": (torch.int4, 32, True), "embedding": (torch.int4, HIDDEN, False)},
+    "8da8w": {"linear": (torch.int8, "per-channel", True), "embedding": (torch.int8, HIDDEN, False)},
+    "int4-weight": {"linear": (torch.int4, 32, False), "embedding": None},
+    "int8-weight": {"linear": (torch.int8, "per-channel", False), "embedding": None},
+}
+
+
+def _tiny_module(tiny_checkpoint):
+    from models.llama import ExportOptions, build_exportable
+
+    return build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa"))
+
+
+def _check_weight(layer, expected):
+    weight = layer.weight
+    if expected is None:
+        assert type(weight) is torch.nn.Parameter and weight.dtype == torch.float32
+        return
+    dtype, block, dynamic = expected
+    assert type(weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert weight.target_dtype == dtype
+    assert weight.block_size == (1, weight.shape[1] if block == "per-channel" else block)
+    assert (weight.activation_quantization is not None) == dynamic
+
+
+@pytest.mark.parametrize("scheme", sorted(EXPECTED))
+def test_scheme_makes_torchao_subclasses(tiny_checkpoint, scheme):
+    from quant.schemes import apply_scheme
+
+    module = _tiny_module(tiny_checkpoint)
+    apply_scheme(module, scheme)
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 7 + 1
+    for layer in linears:
+        _check_weight(layer, EXPECTED[scheme]["linear"])
+    _check_weight(module.model.embed_tokens, EXPECTED[scheme]["embedding"])
+    logits = module(torch.tensor([[3, 5, 7]]), torch.tensor([0]))
+    assert logits.shape[1] == 3 and torch.isfinite(logits).all()
+
+
+def test_fp16_and_fp32_schemes(tiny_checkpoint):
+    from quant.schemes import apply_scheme
+
+    module = _tiny_module(tiny_checkpoint)
+    apply_scheme(module, "fp32")
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in module.parameters())
+    apply_scheme(module, "fp16")
+    assert all(p.dtype == torch.float16 for p in module.parameters())
+    assert module.model.layers[0].self_attn.k_cache.dtype == torch.float16
+    assert module(torch.tensor([[3, 5, 7]]), torch.tensor([0])).dtype == torch.float16
+
+
+def test_every_table_scheme_exists_and_every_recipe_is_in_the_table():
+    from quant.compatibility import BACKEND_SCHEMES
+    from quant.schemes import SCHEMES
+    from recipes.registry import RECIPES, load_backends
+
+    load_backends()
+    for backend, schemes in BACKEND_SCHEMES.items():
+        assert set(schemes) <= set(SCHEMES) or backend == "qnn", (backend, set(schemes) - set(SCHEMES))
+    for recipe in RECIPES.values():
+        assert recipe.quantization in BACKEND_SCHEMES[recipe.backend], recipe.name
+
+
+def test_invalid_backend_scheme_is_refused_with_valid_choices(tmp_path):
+    from quant.compatibility import check_scheme
+
+    with pytest.raises(UserFacingError, match="xnnpack takes: fp32, fp16, 8da4w, 8da4w-emb4, 8da8w"):
+        check_scheme("xnnpack", "int8-weight")
+    with pytest.raises(UserFacingError, match="coreml takes: fp32, int4-weight, int8-weight"):
+        check_scheme("coreml", "8da4w")
+    out = tmp_path / "out"
+    result = run_cli("run", "--recipe", "xnnpack-int8-weight", "--out", str(out))
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "xnnpack does not take the int8-weight scheme" in last
+    assert "xnnpack takes: fp32, fp16, 8da4w, 8da4w-emb4, 8da8w" in last
+    assert "loading" not in result.stderr and not out.exists()
+
+
+def test_list_prints_the_compatibility_table():
+    result = run_cli("list")
+    assert result.returncode == 0
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.split()}
+    assert rows["scheme"] == ["xnnpack", "coreml", "qnn"]
+    assert rows["8da4w"] == ["yes", "-", "-"] and rows["int4-weight"] == ["-", "yes", "-"]
+    assert "xnnpack-8da4w-emb4" in rows
+
+
+def test_group_size_not_offered_is_refused_before_loading(tmp_path):
+    from recipes.run import RunRequest, run
+
+    messages = []
+    with pytest.raises(UserFacingError, match="group size 48 is not offered for 8da4w; choose one of: 32, 64, 128, 256"):
+        run(RunRequest(recipes=["xnnpack-8da4w"], out_dir=tmp_path / "out", model="/nonexistent",
+                       options={"group_size": 48}), progress=lambda f, m: messages.append(m))
+    assert messages == []
+
+
+def test_group_size_that_does_not_divide_is_refused_before_quantizing(tiny_llama_dir, tmp_path):
+    from recipes.run import RunRequest, run
+
+    messages = []
+    with pytest.raises(UserFacingError, match=r"group size 128 does not divide .*\(64\).*choose one of: 32, 64\."):
+        run(RunRequest(recipes=["xnnpack-8da4w"], out_dir=tmp_path / "out", model=str(tiny_llama_dir),
+                       max_seq_len=64, options={"group_size": 128}), progress=lambda f, m: messages.append(m))
+    assert messages == ["loading the checkpoint"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_builtin_widths_refuse_group_128():
+    from types import SimpleNamespace
+
+    from quant.schemes import check_group_size_fits
+
+    smollm2 = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                              num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                              max_position_embeddings=8192)
+    check_group_size_fits("8da4w", 32, smollm2)
+    with pytest.raises(UserFacingError, match="choose one of: 32, 64"):
+        check_group_size_fits("8da4w", 128, smollm2)
+    check_group_size_fits("8da8w", 128, smollm2)  # per-channel: no groups to fit
+
+
+def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint):
+    """Two backends taking 8da4w on the same module quantize once; a different group size does not share."""
+    from recipes.registry import Recipe
+    from recipes.run import RunRequest, _prepare, _Stages
+
+    def recipe(name, **options):
+        return Recipe(name=name, backend="xnnpack", quantization="8da4w", description="", partitioners=lambda o: [],
+                      options=options)
+
+    request = RunRequest(recipes=[], out_dir=".", max_seq_len=32)
+    prepared, stages = {}, _Stages(None, None, total=10)
+    first_timings, second_timings, third_timings = {}, {}, {}
+    first = _prepare(recipe("a", group_size=32), tiny_checkpoint, request, prepared, stages, first_timings)
+    second = _prepare(recipe("b", group_size=32, soc="SM8650"), tiny_checkpoint, request, prepared, stages,
+                      second_timings)
+    assert second[0] is first[0] and second[1] is first[1]
+    assert "quantize" in first_timings and "quantize" not in second_timings
+    assert second_timings["shared_with"] == "a"
+    request.options = {"group_size": 64}
+    third = _prepare(recipe("c", group_size=32), tiny_checkpoint, request, prepared, stages, third_timings)
+    assert third[0] is not first[0] and "quantize" in third_timings
+    assert len(prepared) == 2
+
+
+def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
+    from recipes.run import RunRequest, run
+
+    summary = run(RunRequest(recipes=["xnnpack-8da4w-emb4", "xnnpack-8da8w", "xnnpack-fp16"], out_dir=tmp_path,
+                             model=str(tiny_llama_dir), max_seq_len=64, max_new_tokens=4,
+                             prompt="what is the capital ?"))
+    sizes = {}
+    for report in summary["recipes"]:
+        assert report["errors"] == [], report["errors"]
+        assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "executorch-runtime"]
+        assert report["fidelity"]["engine"] == "executorch-runtime"
+        linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
+        assert linear["non_delegated"] == 0 and linear["delegated"] == 15
+        sizes[report["recipe"]["name"]] = report["pte"]["bytes"]
+    assert sizes["xnnpack-8da4w-emb4"] < sizes["xnnpack-8da8w"] < sizes["xnnpack-fp16"]

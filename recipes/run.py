@@ -164,7 +164,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     stages.end(started, shared_timings, "reference_fidelity")
     del reference_module
 
-    prepared: dict[tuple, tuple[torch.nn.Module, torch.export.ExportedProgram, dict]] = {}
+    prepared: dict[tuple, tuple[torch.nn.Module, str]] = {}  # quantized module and the recipe that made it
     reports = []
     for recipe in recipes:
         recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
@@ -202,8 +202,14 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         k: v for k, v in options.items() if k == "group_size"}
     key = (recipe.quantization, tuple(sorted(quant_options.items())), export_options)
     if key in prepared:
-        timings["shared_with"] = prepared[key][2]["recipe"]
-        return prepared[key][0], prepared[key][1]
+        # The quantized module is shared; the program is exported again, because lowering leaves
+        # unbacked-symbol state in an ExportedProgram that makes a second lowering of it fail.
+        module = prepared[key][0]
+        timings["shared_quantization_with"] = prepared[key][1]
+        started = stages.begin(f"exporting for {recipe.name}")
+        program = export_program(module, request.max_seq_len)
+        stages.end(started, timings, "export")
+        return module, program
     module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
     started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}")
     apply_scheme(module, recipe.quantization, options.get("group_size"))
@@ -218,7 +224,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         module = program.module()  # the converted q/dq graph: what the eager engine simulates
         stages.end(started, timings, "quantize")
         timings["calibration"] = {"prompts": len(inputs), "source": "quant/calibration.py built-in prompts"}
-    prepared[key] = (module, program, {"recipe": recipe.name})
+    prepared[key] = (module, recipe.name)
     return module, program
 
 

@@ -13,57 +13,27 @@ _RUNTIME_IMPORTS = (
     "executorch.kernels.quantized",  # quantized_decomposed::embedding_byte / embedding_4bit
 )
 
-register(
-    Recipe(
-        name="xnnpack-fp32",
-        backend="xnnpack",
-        quantization="fp32",
-        description="XNNPACK, fp32 weights",
-        partitioners=xnnpack_partitioners,
-        runtime_imports=_RUNTIME_IMPORTS,
+
+def _xnnpack(name: str, quantization: str, description: str, attention: str = "custom", **options) -> Recipe:
+    return register(
+        Recipe(
+            name=name,
+            backend="xnnpack",
+            quantization=quantization,
+            description=description,
+            partitioners=xnnpack_partitioners,
+            attention=attention,
+            runtime_imports=_RUNTIME_IMPORTS,
+            options=options,
+        )
     )
-)
-register(
-    Recipe(
-        name="xnnpack-8da4w",
-        backend="xnnpack",
-        quantization="8da4w",
-        description="XNNPACK, int8 dynamic activations + int4 weights (group 32), 8-bit embeddings",
-        partitioners=xnnpack_partitioners,
-        runtime_imports=_RUNTIME_IMPORTS,
-        options={"group_size": 32},
-    )
-)
-register(
-    Recipe(
-        name="xnnpack-8da4w-emb4",
-        backend="xnnpack",
-        quantization="8da4w-emb4",
-        description="XNNPACK, int8 dynamic activations + int4 weights (group 32), 4-bit embeddings",
-        partitioners=xnnpack_partitioners,
-        runtime_imports=_RUNTIME_IMPORTS,
-        options={"group_size": 32},
-    )
-)
-register(
-    Recipe(
-        name="xnnpack-8da8w",
-        backend="xnnpack",
-        quantization="8da8w",
-        description="XNNPACK, int8 dynamic activations + int8 per-channel weights, 8-bit embeddings",
-        partitioners=xnnpack_partitioners,
-        runtime_imports=_RUNTIME_IMPORTS,
-    )
-)
-register(
-    Recipe(
-        name="xnnpack-fp16",
-        backend="xnnpack",
-        quantization="fp16",
-        description="XNNPACK, fp16 weights and activations",
-        partitioners=xnnpack_partitioners,
-        # llama::custom_sdpa has no fp16 kernel; aten SDPA outside the delegate runs fp16 on the portable ops.
-        attention="sdpa",
-        runtime_imports=_RUNTIME_IMPORTS,
-    )
-)
+
+
+_xnnpack("xnnpack-fp32", "fp32", "XNNPACK, fp32 weights")
+_xnnpack("xnnpack-8da4w", "8da4w",
+         "XNNPACK, int8 dynamic activations + int4 weights (group 32), 8-bit embeddings", group_size=32)
+_xnnpack("xnnpack-8da4w-emb4", "8da4w-emb4",
+         "XNNPACK, int8 dynamic activations + int4 weights (group 32), 4-bit embeddings", group_size=32)
+_xnnpack("xnnpack-8da8w", "8da8w", "XNNPACK, int8 dynamic activations + int8 per-channel weights, 8-bit embeddings")
+# llama::custom_sdpa has no fp16 kernel; aten SDPA outside the delegate runs fp16 on the portable ops.
+_xnnpack("xnnpack-fp16", "fp16", "XNNPACK, fp16 weights and activations", attention="sdpa")

@@ -150,9 +150,10 @@ def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint
     first = _prepare(recipe("a", group_size=32), tiny_checkpoint, request, prepared, stages, first_timings)
     second = _prepare(recipe("b", group_size=32, soc="SM8650"), tiny_checkpoint, request, prepared, stages,
                       second_timings)
-    assert second[0] is first[0] and second[1] is first[1]
+    # the quantized module is shared; each recipe gets its own export (a program lowers only once)
+    assert second[0] is first[0] and second[1] is not first[1]
     assert "quantize" in first_timings and "quantize" not in second_timings
-    assert second_timings["shared_with"] == "a"
+    assert second_timings["shared_quantization_with"] == "a" and "export" in second_timings
     request.options = {"group_size": 64}
     third = _prepare(recipe("c", group_size=32), tiny_checkpoint, request, prepared, stages, third_timings)
     assert third[0] is not first[0] and "quantize" in third_timings
@@ -174,3 +175,15 @@ def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
         assert linear["non_delegated"] == 0 and linear["delegated"] == 15
         sizes[report["recipe"]["name"]] = report["pte"]["bytes"]
     assert sizes["xnnpack-8da4w-emb4"] < sizes["xnnpack-8da8w"] < sizes["xnnpack-fp16"]
+
+
+def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path):
+    """coreml-fp16 and coreml-fp32 share the fp32 module; the second lowering must not reuse a lowered program."""
+    from recipes.run import RunRequest, run
+
+    summary = run(RunRequest(recipes=["coreml-fp16", "coreml-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir),
+                             max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))
+    first, second = summary["recipes"]
+    assert first["errors"] == [] and second["errors"] == [], (first["errors"], second["errors"])
+    assert second["timings_s"]["shared_quantization_with"] == "coreml-fp16"
+    assert (tmp_path / "coreml-fp16" / "model.pte").exists() and (tmp_path / "coreml-fp32" / "model.pte").exists()

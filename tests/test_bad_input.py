@@ -1,0 +1,93 @@
+"""Bad input gets one clear line that says what to do, a non-zero exit, and nothing written."""
+import pytest
+
+from tests.conftest import run_cli
+
+
+def _fails_cleanly(result, out, *fragments):
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), last
+    for fragment in fragments:
+        assert fragment in last, last
+    assert "Traceback" not in result.stderr
+    assert not out.exists() or not list(out.rglob("model.pte"))
+    return last
+
+
+@pytest.fixture(scope="module")
+def gpt2_gguf(tmp_path_factory):
+    """A real (tiny) GGUF file of another architecture."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_of_another_architecture_is_refused(gpt2_gguf, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(gpt2_gguf), "--recipe", "xnnpack-fp32", "--out", str(out))
+    _fails_cleanly(result, out, "architecture 'gpt2'", "only Llama")
+
+
+def test_missing_local_path_is_refused(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tmp_path / "nowhere"), "--recipe", "xnnpack-fp32", "--out", str(out))
+    _fails_cleanly(result, out, "does not exist")
+
+
+@pytest.mark.parametrize("max_seq_len", ["0", "-5"])
+def test_max_context_zero_or_negative_is_refused(tiny_llama_dir, tmp_path, max_seq_len):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                     "--max-seq-len", max_seq_len)
+    _fails_cleanly(result, out, "max context must be at least 16")
+
+
+def test_max_context_beyond_the_model_is_refused(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                     "--max-seq-len", "100000")
+    _fails_cleanly(result, out, "beyond this model's limit of 2048")
+
+
+def test_max_new_tokens_beyond_the_context_is_refused(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                     "--max-seq-len", "64", "--max-new-tokens", "64")
+    _fails_cleanly(result, out, "must be smaller than max context")
+
+
+def test_empty_prompt_is_refused(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                     "--prompt", "   ")
+    _fails_cleanly(result, out, "prompt is empty")
+
+
+def test_prompt_longer_than_the_context_is_refused_before_any_export(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                     "--max-seq-len", "64", "--prompt", "hello world " * 5000)
+    _fails_cleanly(result, out, "does not fit in the max context of 64")
+    assert "exporting" not in result.stderr
+
+
+def test_non_ascii_and_emoji_prompt_runs(tiny_llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                     "--max-seq-len", "64", "--max-new-tokens", "4", "--prompt", "Grüß Gott, 東京 🚀🙂 ?")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["generations"][0]["prompt"] == "Grüß Gott, 東京 🚀🙂 ?"
+    assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "executorch-runtime"]

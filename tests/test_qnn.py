@@ -1,6 +1,7 @@
 """Qualcomm QNN: QnnQuantizer PT2E schemes, the no-SDK fast failure inside a side-by-side run, and
 (when host QNN libraries are present, e.g. onnxruntime-qnn) a real HTP partition + context binary."""
 import json
+import os
 import time
 
 import pytest
@@ -108,6 +109,11 @@ def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
 
 @needs_qnn
 @pytest.mark.builtin
+@pytest.mark.skipif(
+    os.environ.get("LOWERBENCH_QNN_BUILTIN") != "1",
+    reason="opt-in (LOWERBENCH_QNN_BUILTIN=1): PT2E calibration + QNN lowering of all 30 layers takes over "
+    "20 minutes on 2 cores, beyond the suite's budget; the tiny-model test above covers the real QNN path",
+)
 def test_builtin_model_lowers_to_qnn_with_delegated_linears(tmp_path):
     out = tmp_path / "out"
     result = run_cli("run", "--recipe", "qnn-16a4w", "--out", str(out), "--max-seq-len", "128", "--max-new-tokens", "8",

@@ -129,29 +129,36 @@ def run_cli(*args, timeout=1800):
     )
 
 
-@pytest.fixture(scope="session")
-def builtin_8da4w_run(tmp_path_factory):
-    """The built-in SmolLM2-135M through xnnpack-8da4w via the CLI, once per session (a few minutes)."""
+def _builtin_cli_run(tmp_path_factory, name: str, recipes: list[str], max_new_tokens: int):
+    """The built-in SmolLM2-135M through `recipes` in one CLI run (one load, one fp32 reference):
+    (output folder, {recipe: report}, CompletedProcess)."""
     import json
 
-    out = tmp_path_factory.mktemp("builtin-8da4w")
-    result = run_cli("run", "--recipe", "xnnpack-8da4w", "--out", str(out), "--max-new-tokens", "24")
+    out = tmp_path_factory.mktemp(name)
+    args = [arg for recipe in recipes for arg in ("--recipe", recipe)]
+    result = run_cli("run", *args, "--out", str(out), "--max-new-tokens", str(max_new_tokens))
     assert result.returncode == 0, result.stderr[-3000:]
-    return out, json.loads((out / "report.json").read_text()), result
+    folder = (lambda recipe: out) if len(recipes) == 1 else (lambda recipe: out / recipe)
+    reports = {recipe: json.loads((folder(recipe) / "report.json").read_text()) for recipe in recipes}
+    return out, reports, result
+
+
+@pytest.fixture(scope="session")
+def builtin_xnnpack_run(tmp_path_factory):
+    """xnnpack-fp32 and xnnpack-8da4w on the built-in model, shared by the spine and fidelity tests."""
+    return _builtin_cli_run(tmp_path_factory, "builtin-xnnpack", ["xnnpack-fp32", "xnnpack-8da4w"], 24)
+
+
+@pytest.fixture(scope="session")
+def builtin_8da4w_run(builtin_xnnpack_run):
+    out, reports, result = builtin_xnnpack_run
+    return out / "xnnpack-8da4w", reports["xnnpack-8da4w"], result
 
 
 @pytest.fixture(scope="session")
 def builtin_coreml_run(tmp_path_factory):
-    """The built-in SmolLM2-135M through coreml-fp16 and coreml-int4 via the CLI, once per session
-    (one load, two lowerings: several minutes)."""
-    import json
-
-    out = tmp_path_factory.mktemp("builtin-coreml")
-    result = run_cli("run", "--recipe", "coreml-fp16", "--recipe", "coreml-int4", "--out", str(out),
-                     "--max-new-tokens", "8")
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = {name: json.loads((out / name / "report.json").read_text()) for name in ("coreml-fp16", "coreml-int4")}
-    return out, reports, result
+    """The built-in SmolLM2-135M through coreml-fp16 and coreml-int4 via the CLI, once per session."""
+    return _builtin_cli_run(tmp_path_factory, "builtin-coreml", ["coreml-fp16", "coreml-int4"], 8)
 
 
 @pytest.fixture(scope="session")
@@ -166,14 +173,10 @@ def tiny_fp32_run(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def builtin_fp32_run(tmp_path_factory):
-    """The built-in SmolLM2-135M through xnnpack-fp32 via the CLI, once per session (its report carries fidelity)."""
-    import json
-
-    out = tmp_path_factory.mktemp("builtin-fp32")
-    result = run_cli("run", "--recipe", "xnnpack-fp32", "--out", str(out), "--max-new-tokens", "8")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, json.loads((out / "report.json").read_text()), result
+def builtin_fp32_run(builtin_xnnpack_run):
+    """xnnpack-fp32 on the built-in model (its report carries fidelity)."""
+    out, reports, result = builtin_xnnpack_run
+    return out / "xnnpack-fp32", reports["xnnpack-fp32"], result
 
 
 @pytest.fixture(scope="session")

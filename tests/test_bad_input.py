@@ -44,33 +44,21 @@ def test_missing_local_path_is_refused(tmp_path):
     _fails_cleanly(result, out, "does not exist")
 
 
-@pytest.mark.parametrize("max_seq_len", ["0", "-5"])
-def test_max_context_zero_or_negative_is_refused(tiny_llama_dir, tmp_path, max_seq_len):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-seq-len", "0"], "max context must be at least 16"),
+        (["--max-seq-len", "-5"], "max context must be at least 16"),
+        (["--max-seq-len", "100000"], "beyond this model's limit of 2048"),
+        (["--max-seq-len", "64", "--max-new-tokens", "64"], "must be smaller than max context"),
+        (["--prompt", "   "], "prompt is empty"),
+    ],
+    ids=["context-0", "context-negative", "context-beyond-model", "new-tokens-beyond-context", "empty-prompt"],
+)
+def test_bad_recipe_input_is_refused(tiny_llama_dir, tmp_path, args, message):
     out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
-                     "--max-seq-len", max_seq_len)
-    _fails_cleanly(result, out, "max context must be at least 16")
-
-
-def test_max_context_beyond_the_model_is_refused(tiny_llama_dir, tmp_path):
-    out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
-                     "--max-seq-len", "100000")
-    _fails_cleanly(result, out, "beyond this model's limit of 2048")
-
-
-def test_max_new_tokens_beyond_the_context_is_refused(tiny_llama_dir, tmp_path):
-    out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
-                     "--max-seq-len", "64", "--max-new-tokens", "64")
-    _fails_cleanly(result, out, "must be smaller than max context")
-
-
-def test_empty_prompt_is_refused(tiny_llama_dir, tmp_path):
-    out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
-                     "--prompt", "   ")
-    _fails_cleanly(result, out, "prompt is empty")
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out), *args)
+    _fails_cleanly(result, out, message)
 
 
 def test_prompt_longer_than_the_context_is_refused_before_any_export(tiny_llama_dir, tmp_path):

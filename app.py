@@ -5,7 +5,8 @@ and writes into its own folder under the jobs root.
     python app.py [--host 127.0.0.1] [--port 7860]
 
 Environment: LOWERBENCH_JOBS_DIR (default ./jobs), LOWERBENCH_JOB_MAX_AGE_H (job folders older than this
-are deleted, default 6), LOWERBENCH_CONCURRENCY (jobs at once, default 2), LOWERBENCH_ALLOW_LOCAL_PATHS
+are deleted, default 6), LOWERBENCH_JOBS_MAX_GB (the oldest finished jobs are deleted to keep the jobs
+folder under this size, default 20), LOWERBENCH_CONCURRENCY (jobs at once, default 2), LOWERBENCH_ALLOW_LOCAL_PATHS
 (default 1, or 0 on a Space).
 """
 
@@ -42,11 +43,41 @@ def clean_old_jobs(root: Path, max_age_s: float) -> None:
             shutil.rmtree(job, ignore_errors=True)
 
 
+ACTIVE_JOBS: set[Path] = set()  # job folders of this server that are still running; never removed by the cap
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def enforce_disk_cap(root: Path, max_bytes: float) -> None:
+    """Deletes the oldest finished jobs until the jobs folder is under the cap; refuses a new job when the
+    running ones alone are over it."""
+    if not root.is_dir():
+        return
+    jobs = sorted((j for j in root.iterdir() if j.is_dir()), key=lambda j: j.stat().st_mtime)
+    sizes = {job: folder_bytes(job) for job in jobs}
+    total = sum(sizes.values())
+    for job in jobs:
+        if total <= max_bytes:
+            break
+        if job not in ACTIVE_JOBS:
+            shutil.rmtree(job, ignore_errors=True)
+            total -= sizes[job]
+    if total > max_bytes:
+        raise UserFacingError(
+            f"running jobs use {total / 1e9:.1f} GB, above the jobs folder cap of {max_bytes / 1e9:.1f} GB "
+            "(LOWERBENCH_JOBS_MAX_GB); try again when one of them has finished."
+        )
+
+
 def new_job_dir() -> Path:
     root = jobs_root()
     clean_old_jobs(root, float(os.environ.get("LOWERBENCH_JOB_MAX_AGE_H", "6")) * 3600)
+    enforce_disk_cap(root, float(os.environ.get("LOWERBENCH_JOBS_MAX_GB", "20")) * 1e9)
     job = root / uuid.uuid4().hex
     job.mkdir(parents=True)
+    ACTIVE_JOBS.add(job)
     return job
 
 
@@ -251,6 +282,8 @@ def build_app():
             except UserFacingError:
                 shutil.rmtree(job, ignore_errors=True)  # a failed or cancelled job leaves nothing behind
                 raise
+            finally:
+                ACTIVE_JOBS.discard(job)
         except UserFacingError as err:
             raise gr.Error(str(err), print_exception=False) from None
         rows = summary_rows(summary)

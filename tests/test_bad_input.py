@@ -79,3 +79,38 @@ def test_non_ascii_and_emoji_prompt_runs(tiny_llama_dir, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["generations"][0]["prompt"] == "Grüß Gott, 東京 🚀🙂 ?"
     assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "executorch-runtime"]
+
+
+def _job(root, name, size, age_s):
+    import os
+    import time
+
+    job = root / name
+    job.mkdir(parents=True)
+    (job / "model.pte").write_bytes(b"x" * size)
+    stamp = time.time() - age_s
+    os.utime(job, (stamp, stamp))
+    return job
+
+
+def test_old_jobs_are_removed_and_the_jobs_folder_is_capped(tmp_path):
+    import app
+    from errors import UserFacingError
+
+    root = tmp_path / "jobs"
+    stale = _job(root, "stale", 10, age_s=7 * 3600)
+    oldest = _job(root, "oldest", 400, age_s=300)
+    running = _job(root, "running", 400, age_s=200)
+    newest = _job(root, "newest", 400, age_s=100)
+    app.clean_old_jobs(root, max_age_s=6 * 3600)
+    assert not stale.exists() and oldest.exists()
+
+    app.ACTIVE_JOBS.add(running)
+    try:
+        app.enforce_disk_cap(root, max_bytes=900)  # 1200 bytes: the oldest finished job goes first
+        assert not oldest.exists() and running.exists() and newest.exists()
+        with pytest.raises(UserFacingError, match="running jobs use"):
+            app.enforce_disk_cap(root, max_bytes=300)  # only the running job is left, still over the cap
+        assert running.exists() and not newest.exists()
+    finally:
+        app.ACTIVE_JOBS.discard(running)

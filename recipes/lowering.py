@@ -119,9 +119,9 @@ def lower_to_pte(
 ) -> LoweredProgram:
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from recipes import executorch_patches
+    from recipes import dependency_patches
 
-    executorch_patches.apply()
+    dependency_patches.apply()
     counter = _EdgeOpCounter()
     preserved = _record_preserved_ops(partitioners)
     start = time.perf_counter()

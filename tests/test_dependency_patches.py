@@ -1,0 +1,104 @@
+"""The speed patch to XNNPACK's preprocessing passes skips only passes that could not have matched."""
+import copy
+
+import torch
+
+from recipes import dependency_patches
+
+
+def _edge_graph(module, *inputs):
+    from executorch.exir import to_edge
+
+    return to_edge(torch.export.export(module, inputs)).exported_program()
+
+
+def test_patch_applies_to_the_pinned_executorch():
+    assert dependency_patches.apply() == {"executorch", "torchao"}
+
+
+def test_sdpa_pass_still_rewrites_an_sdpa_pattern_and_skips_a_graph_without_one():
+    from executorch.backends.xnnpack._passes.convert_to_sdpa import ConvertToSDPAPass
+    from executorch.backends.xnnpack.partition.graphs import sdpa
+
+    dependency_patches.apply()
+    pattern = copy.deepcopy(sdpa.get_graphs()[0])
+    result = ConvertToSDPAPass(None)(pattern)
+    targets = {str(n.target) for n in result.graph_module.graph.nodes if n.op == "call_function"}
+    assert any("scaled_dot_product_attention" in t for t in targets)
+
+    class Linear(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.relu(x) * 2
+
+    program = _edge_graph(Linear(), torch.randn(2, 4))
+    before = [n.target for n in program.graph_module.graph.nodes]
+    result = ConvertToSDPAPass(program)(program.graph_module)
+    assert result.modified is False
+    assert [n.target for n in result.graph_module.graph.nodes] == before
+
+
+def test_torchao_shape_kernels_give_the_metadata_of_the_originals():
+    """On fake tensors, symbolic dims included, every mapping / block / keepdim / dtype combination."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    original, fast = dependency_patches.torchao_shape_kernels()
+
+    def meta(t):
+        return tuple(t.shape), t.dtype, tuple(t.stride())
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    checked = 0
+    with mode:
+        env = mode.shape_env
+        seq = env.create_symintnode(env.create_symbol(7, ConstantSource("seq")), hint=7)
+        for x in (torch.empty(1, seq, 64), torch.empty(96, 64)):
+            for mapping in ("SYMMETRIC", "ASYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR"):
+                for block in ([1] * (x.dim() - 1) + [64], [1] * (x.dim() - 1) + [32]):
+                    for keepdim in (False, True):
+                        for scale_dtype, zero_dtype in ((None, None), (torch.float32, torch.int8)):
+                            args = (x, mapping, block, torch.int8, -128, 127, None, scale_dtype, zero_dtype, keepdim)
+                            expected = original["choose_qparams_affine"](*args)
+                            assert [meta(t) for t in fast["choose_qparams_affine"](*args)] == [meta(t) for t in expected]
+                            scale, zero = expected
+                            q = original["quantize_affine"](x, block, scale, zero, torch.int8, -128, 127)
+                            assert meta(fast["quantize_affine"](x, block, scale, zero, torch.int8, -128, 127)) == meta(q)
+                            dq = (q, block, scale, zero, torch.int8, -128, 127, torch.float32)
+                            assert meta(fast["dequantize_affine"](*dq)) == meta(original["dequantize_affine"](*dq))
+                            checked += 1
+    assert checked == 48
+
+
+_LOWER_TINY_8DA4W = r"""
+import hashlib, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from models.llama import ExportOptions, build_exportable
+from quant.schemes import apply_scheme
+from recipes import dependency_patches, lowering
+from recipes.xnnpack import xnnpack_partitioners
+if sys.argv[1] == "unpatched":
+    dependency_patches.apply = lambda: set()
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+torch.manual_seed(0)
+module = build_exportable(config, LlamaForCausalLM(config).state_dict(), ExportOptions(max_seq_len=64))
+apply_scheme(module, "8da4w")
+lowered = lowering.lower_to_pte(lowering.export_program(module, 64), xnnpack_partitioners({}))
+print("PTE", hashlib.sha256(lowered.pte).hexdigest())
+"""
+
+
+def test_patched_lowering_writes_the_same_pte_bytes():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    digests = {}
+    for mode in ("patched", "unpatched"):
+        result = subprocess.run([sys.executable, "-c", _LOWER_TINY_8DA4W, mode], cwd=root, capture_output=True,
+                                text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-2000:]
+        digests[mode] = [line for line in result.stdout.splitlines() if line.startswith("PTE")]
+    assert digests["patched"] == digests["unpatched"] and len(digests["patched"]) == 1

@@ -98,6 +98,7 @@ def _job_process(request, messages, cancel_flag) -> None:
 
 
 _CANCELS: dict[str, object] = {}  # session -> cancel flag of its running job
+CANCEL_GRACE_S = 3.0  # how long a cancelled job may take to reach a stage boundary before it is killed
 _CANCELS_LOCK = threading.Lock()
 
 
@@ -111,10 +112,18 @@ def run_job(request, session: str, progress) -> dict:
     try:
         progress(0.0, "starting the job")
         process.start()
+        cancelled_at = None
         while True:
             try:
                 message = messages.get(timeout=0.5)
             except queue.Empty:
+                if cancel_flag.is_set():
+                    cancelled_at = cancelled_at or time.monotonic()
+                    # run() stops at the next stage boundary; a long stage (lowering takes minutes) is not
+                    # waited for: the job's process is killed, and atomic writes leave nothing partial.
+                    if time.monotonic() - cancelled_at > CANCEL_GRACE_S:
+                        process.kill()
+                        raise UserFacingError("the job was cancelled; nothing was kept.")
                 if not process.is_alive():
                     raise UserFacingError(f"the job stopped unexpectedly (exit code {process.exitcode}); "
                                           "it may have run out of memory. Try a smaller model or fewer recipes.")

@@ -114,3 +114,31 @@ def test_old_jobs_are_removed_and_the_jobs_folder_is_capped(tmp_path):
         assert running.exists() and not newest.exists()
     finally:
         app.ACTIVE_JOBS.discard(running)
+
+
+@pytest.mark.parametrize("stage", ["quantizing", "exporting", "lowering"])
+def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, stage):
+    """The app's job runner: Cancel pressed while `stage` runs ends the job within seconds (the job's process
+    is killed if the stage does not finish), and no .pte or report is left."""
+    import threading
+    import time
+
+    import app
+    from errors import UserFacingError
+    from recipes.run import RunRequest
+
+    session = f"cancel-{stage}"
+    cancelled_at = []
+
+    def progress(fraction, message):
+        if message.startswith(stage) and not cancelled_at:
+            cancelled_at.append(time.monotonic())
+            threading.Thread(target=app.cancel_job, args=(session,)).start()
+
+    request = RunRequest(recipes=["xnnpack-8da4w"], out_dir=tmp_path / "job", model=str(tiny_llama_dir),
+                         max_seq_len=64, max_new_tokens=4, prompt="what is the capital ?")
+    with pytest.raises(UserFacingError, match="cancelled"):
+        app.run_job(request, session, progress)
+    assert cancelled_at, f"the job never reached {stage}"
+    assert time.monotonic() - cancelled_at[0] < app.CANCEL_GRACE_S + 10
+    assert not list((tmp_path / "job").rglob("model.pte")) and not list((tmp_path / "job").rglob("report.json"))

@@ -89,30 +89,35 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
     assert {row["recipe"] for row in json.loads((job / "summary.json").read_text())} == {"xnnpack-fp32", "xnnpack-8da4w"}
 
 
-def test_two_concurrent_jobs_use_separate_directories(app, tiny_llama_dir):
+def test_four_concurrent_jobs_queue_visibly_and_never_mix(app, tiny_llama_dir):
+    """Four users at once: with two jobs running at a time the others wait in a queue they can see (rank),
+    every job gets its own folder, and each report holds its own user's prompt and recipe."""
     from gradio_client import Client
+    from gradio_client.utils import Status
 
-    results, errors = {}, []
-
-    def one(name, recipe):
-        try:
-            results[name] = lower(Client(app["url"], verbose=False), **tiny_args(tiny_llama_dir, recipes=[recipe]))
-        except Exception as err:  # collected so the main thread reports it
-            errors.append(err)
-
+    users = [(f"user{i}", recipe, prompt) for i, (recipe, prompt) in enumerate([
+        ("xnnpack-fp32", "the capital of France is"), ("xnnpack-8da4w", "hello world , how are you ?"),
+        ("xnnpack-fp32", "what is the capital ?"), ("xnnpack-8da4w", "the capital is Paris .")])]
     started = time.time()
-    threads = [threading.Thread(target=one, args=(n, r)) for n, r in (("a", "xnnpack-fp32"), ("b", "xnnpack-8da4w"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=900)
-    print(f"two concurrent tiny jobs: {time.time() - started:.1f} s")
-    assert not errors, errors
-    jobs = {name: re.search(r"Job `(\w+)`", result[0])[1] for name, result in results.items()}
-    assert jobs["a"] != jobs["b"]
-    for name, recipe in (("a", "xnnpack-fp32"), ("b", "xnnpack-8da4w")):
-        report = json.loads((app["jobs"] / jobs[name] / "report.json").read_text())
-        assert report["recipe"]["name"] == recipe and (app["jobs"] / jobs[name] / "model.pte").is_file()
+    jobs = {name: Client(app["url"], verbose=False).submit(
+        **tiny_args(tiny_llama_dir, recipes=[recipe], prompt=prompt), api_name="/lower") for name, recipe, prompt in users}
+    seen_queued = set()
+    while not all(job.done() for job in jobs.values()):
+        assert time.time() - started < 1800
+        for name, job in jobs.items():
+            status = job.status()
+            if status.code == Status.IN_QUEUE and status.rank is not None:
+                seen_queued.add(name)
+        time.sleep(0.3)
+    print(f"four concurrent tiny jobs: {time.time() - started:.1f} s, queued: {sorted(seen_queued)}")
+    assert seen_queued, "no job was ever shown waiting in the queue"
+    folders = {name: re.search(r"Job `(\w+)`", jobs[name].result()[0])[1] for name, _, _ in users}
+    assert len(set(folders.values())) == 4
+    for name, recipe, prompt in users:
+        report = json.loads((app["jobs"] / folders[name] / "report.json").read_text())
+        assert report["recipe"]["name"] == recipe
+        assert {g["prompt"] for g in report["generations"]} == {prompt}
+        assert (app["jobs"] / folders[name] / "model.pte").is_file()
 
 
 def test_cancel_leaves_nothing_behind(app, tiny_llama_dir):

@@ -1,8 +1,8 @@
 """PT2E quantization schemes for Qualcomm QNN: QnnQuantizer annotates the exported graph, torchao's
 prepare_pt2e inserts observers, the calibration prompts run through it, convert_pt2e folds the
 observers into quantize/dequantize pairs, and the result is exported again and given QNN's
-export-pipeline passes. The returned ExportedProgram is the one that is lowered and, as
-`program.module()`, the one whose generation the QNN column shows (eager-qnn-simulated)."""
+export-pipeline passes. That ExportedProgram is lowered; the converted module, which takes any number of
+tokens, is what the QNN column's eager-qnn-simulated generation and fidelity run."""
 from __future__ import annotations
 
 import torch
@@ -49,7 +49,9 @@ def quantize_exported_qnn(scheme: str, program: torch.export.ExportedProgram, ca
     one_token = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
     with torch.no_grad():
         quantized = torch.export.export(converted, one_token, strict=True)
-    return QnnHtpPassManager().transform_for_export_pipeline(quantized)
+    # The simulation runs `converted`, which takes any number of tokens: the same quantization, without
+    # feeding a prefill or the fidelity text through the one-token program token by token.
+    return QnnHtpPassManager().transform_for_export_pipeline(quantized), converted
 
 
 def _scheme(name: str, description: str) -> Scheme:

@@ -18,7 +18,8 @@ class Scheme:
     description: str
     apply: Callable[[nn.Module, int], None] | None = None  # (module, group_size) -> None, in place
     default_group_size: int | None = None
-    # (program, calibration inputs [(tokens, input_pos), ...], recipe options) -> quantized ExportedProgram
+    # (program, calibration inputs [(tokens, input_pos), ...], recipe options)
+    #   -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
     quantize_exported: Callable | None = None
 
 

@@ -197,11 +197,9 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     scheme = SCHEMES[recipe.quantization]
     export_options = ExportOptions(request.max_seq_len, attention=recipe.attention, dtype=recipe.dtype)
     # Source transforms depend on the group size only, so backends that differ in other options (SoC,
-    # compute units) still share one quantization; a PT2E quantizer may depend on any recipe option.
-    quant_options = options if scheme.quantize_exported is not None else {
-        k: v for k, v in options.items() if k == "group_size"}
-    key = (recipe.quantization, tuple(sorted(quant_options.items())), export_options)
-    if key in prepared:
+    # compute units) still share one quantization. PT2E quantizers depend on every option: never shared.
+    key = (recipe.quantization, options.get("group_size"), export_options)
+    if scheme.quantize_exported is None and key in prepared:
         # The quantized module is shared; the program is exported again, because lowering leaves
         # unbacked-symbol state in an ExportedProgram that makes a second lowering of it fail.
         module = prepared[key][0]
@@ -220,11 +218,12 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     if scheme.quantize_exported is not None:
         started = stages.begin(f"calibrating and converting ({recipe.quantization}) for {recipe.name}")
         inputs = calibration_inputs(checkpoint.tokenizer, request.max_seq_len)
-        program = scheme.quantize_exported(program, inputs, options)
-        module = program.module()  # the converted q/dq graph: what the eager engine simulates
+        # the program to lower, and the converted q/dq module whose eager run simulates it
+        program, module = scheme.quantize_exported(program, inputs, options)
         stages.end(started, timings, "quantize")
         timings["calibration"] = {"prompts": len(inputs), "source": "quant/calibration.py built-in prompts"}
-    prepared[key] = (module, recipe.name)
+    else:
+        prepared[key] = (module, recipe.name)
     return module, program
 
 

@@ -182,7 +182,8 @@ def builtin_fp32_run(builtin_xnnpack_run):
 @pytest.fixture(scope="session")
 def tiny_qnn_16a4w(tiny_checkpoint):
     """The tiny Llama through the qnn-16a4w PT2E scheme (QnnQuantizer, calibrated on the built-in
-    prompts): (checkpoint, quantized ExportedProgram). Needs no QNN library."""
+    prompts): (checkpoint, quantized one-token ExportedProgram, converted module that simulates it).
+    Needs no QNN library."""
     from models.llama import ExportOptions, build_exportable
     from quant.calibration import calibration_inputs
     from quant.schemes import SCHEMES
@@ -193,4 +194,4 @@ def tiny_qnn_16a4w(tiny_checkpoint):
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=recipe.attention))
     program = export_program(module, 32)
     inputs = calibration_inputs(tiny_checkpoint.tokenizer, 32)
-    return tiny_checkpoint, SCHEMES[recipe.quantization].quantize_exported(program, inputs, dict(recipe.options))
+    return (tiny_checkpoint, *SCHEMES[recipe.quantization].quantize_exported(program, inputs, dict(recipe.options)))

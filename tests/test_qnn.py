@@ -25,7 +25,7 @@ def no_qnn_libraries(monkeypatch, tmp_path):
 def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_qnn_16a4w):
     from recipes import generate as gen
 
-    checkpoint, program = tiny_qnn_16a4w
+    checkpoint, program, _simulated = tiny_qnn_16a4w
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
     linears = [n for n in nodes if n.target == torch.ops.aten.linear.default]
     assert len(linears) == 2 * 7 + 1
@@ -42,6 +42,21 @@ def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_
     result = gen.generate(gen.eager_step(program.module()), "eager-qnn-simulated", checkpoint.tokenizer,
                           "what is the capital ?", 4, 32)
     assert result.engine == "eager-qnn-simulated" and result.new_tokens >= 1
+
+
+def test_simulation_module_is_the_lowered_quantization_and_takes_a_whole_prefill(tiny_qnn_16a4w):
+    """Fed token by token, the simulation module computes what the one-token program to lower computes;
+    it also takes a whole prefill in one call (so fidelity and prompts need not go token by token)."""
+    checkpoint, program, simulated = tiny_qnn_16a4w
+    tokens = torch.tensor([[3, 5, 7, 2, 9]])
+    with torch.no_grad():
+        one_token = program.module()
+        lowered_steps = torch.cat([one_token(tokens[:, i:i + 1], torch.tensor([i])) for i in range(5)], dim=1)
+        simulated_steps = torch.cat([simulated(tokens[:, i:i + 1], torch.tensor([i])) for i in range(5)], dim=1)
+        whole = simulated(tokens, torch.tensor([0]))
+    assert (simulated_steps - lowered_steps).abs().max().item() < 1e-4
+    assert whole.shape == (1, 5, checkpoint.config.vocab_size)
+    assert torch.allclose(whole[:, 0], lowered_steps[:, 0], atol=1e-4)  # the first position sees no cache
 
 
 def test_without_qnn_libraries_lowering_fails_fast_with_what_to_install(no_qnn_libraries):

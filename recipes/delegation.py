@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 
 
-def delegation_table(edge_graph_module) -> dict:
+def delegation_table(edge_graph_module, ops_before_partitioning: dict[str, int] | None = None,
+                     preserved_ops: dict[str, list[str]] | None = None,
+                     partitioner_reasons: list[dict] | None = None) -> dict:
+    """The table of the lowered edge graph; the keyword arguments are what lower_to_pte recorded while
+    partitioning (op counts of the edge graph before it, ops kept from decomposition, partitioner logs)."""
     from executorch.devtools.backend_debug import get_delegation_info
 
     info = get_delegation_info(edge_graph_module)
@@ -21,9 +25,8 @@ def delegation_table(edge_graph_module) -> dict:
         if row["op_type"] != "Total"
     ]
     total = info.num_delegated_nodes + info.num_non_delegated_nodes
-    partitioning = getattr(edge_graph_module, "meta", {}).get("lowerbench_partitioning", {})
-    before = partitioning.get("edge_ops_before_partitioning", {})
-    reasons = why_not_delegated([o["op"] for o in ops if o["non_delegated"]], partitioning.get("partitioner_reasons", []))
+    before = ops_before_partitioning or {}
+    reasons = why_not_delegated([o["op"] for o in ops if o["non_delegated"]], partitioner_reasons or [])
     for o in ops:
         o["before_partitioning"] = before.get(o["op"])
         o["why_not_delegated"] = reasons.get(o["op"], []) if o["non_delegated"] else []
@@ -35,7 +38,7 @@ def delegation_table(edge_graph_module) -> dict:
         "ops": sorted(ops, key=lambda o: (-o["non_delegated"], o["op"])),
         "engine": "executorch.devtools.backend_debug.get_delegation_info on the lowered edge program",
         "edge_nodes_before_partitioning": sum(before.values()) if before else None,
-        "preserved_ops": partitioning.get("preserved_ops", {}),
+        "preserved_ops": preserved_ops or {},
         "why_not_delegated_source": "log records of the partitioners (logger names given per reason)",
     }
 

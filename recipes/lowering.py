@@ -24,9 +24,6 @@ class LoweredProgram:
     edge_nodes_before_partitioning: int | None
     lower_s: float
     serialize_s: float
-    edge_ops_before_partitioning: dict[str, int] = field(default_factory=dict)  # op type -> count
-    preserved_ops: dict[str, list[str]] = field(default_factory=dict)  # partitioner -> ops_to_not_decompose
-    partitioner_reasons: list[dict] = field(default_factory=list)  # {source, op, reason} from partitioner logs
 
 
 def op_type(node_name: str) -> str:
@@ -138,14 +135,9 @@ def lower_to_pte(
             partitioner.__dict__.pop("ops_to_not_decompose", None)
     lowered_gm = edge.exported_program().graph_module
     lower_s = time.perf_counter() - start
-    # delegation_table(gm) reads these; run.py hands it only the graph module.
-    lowered_gm.meta["lowerbench_partitioning"] = {
-        "edge_ops_before_partitioning": dict(counter.counts),
-        "preserved_ops": preserved,
-        "partitioner_reasons": reasons,
-    }
     # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
-    delegation = delegation_table(lowered_gm)
+    delegation = delegation_table(lowered_gm, ops_before_partitioning=dict(counter.counts),
+                                  preserved_ops=preserved, partitioner_reasons=reasons)
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
@@ -154,7 +146,6 @@ def lower_to_pte(
     serialize_s = time.perf_counter() - start
     return LoweredProgram(
         pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s,
-        edge_ops_before_partitioning=dict(counter.counts), preserved_ops=preserved, partitioner_reasons=reasons,
     )
 
 

@@ -160,7 +160,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     stages.end(started, shared_timings, "reference_generation")
     started = stages.begin("fp32 reference logits on the evaluation text")
     eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
-    eval_reference = (eval_ids, fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len))
+    eval_reference = (eval_ids, fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len),
+                      fidelity.targets_of(eval_ids, request.max_seq_len))
     stages.end(started, shared_timings, "reference_fidelity")
     del reference_module
 
@@ -263,19 +264,21 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         raise
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
         report["errors"].append(_error("lower" if module is not None else "prepare", err))
+    step = engine = None
     if module is not None:
         try:
             started = stages.begin(f"generating with {recipe.name}")
-            report["generations"].append(_recipe_generation(recipe, module, lowered, checkpoint, request, report))
+            step, engine = _recipe_engine(recipe, module, lowered, report)
+            report["generations"].append(_generate(step, engine, checkpoint, request).to_dict())
             stages.end(started, timings, "generate")
         except Cancelled:
             raise
         except Exception as err:
             report["errors"].append(_error("generate", err))
-    if module is not None and eval_reference is not None:
+    if step is not None and eval_reference is not None:
         try:
             started = stages.begin(f"measuring fidelity of {recipe.name}")
-            report["fidelity"] = _recipe_fidelity(recipe, module, lowered, request, eval_reference)
+            report["fidelity"] = _recipe_fidelity(recipe, step, engine, request, eval_reference)
             stages.end(started, timings, "fidelity")
         except Cancelled:
             raise
@@ -291,28 +294,21 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     return report
 
 
-def _recipe_generation(recipe, module, lowered, checkpoint, request, report) -> dict:
-    """The .pte on the runtime when it runs here; otherwise the same quantized model in eager PyTorch,
+def _recipe_engine(recipe, module, lowered, report) -> tuple:
+    """(step, engine) for a recipe's generation and fidelity: the .pte on the runtime when it runs here
+    (loaded once); otherwise the same quantized model in eager PyTorch (or the converted PT2E graph),
     labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
     why_not = "lowering failed" if lowered is None else recipe.cannot_run_here()
     if why_not is None:
-        method = gen.load_runtime_method(lowered.pte, recipe.runtime_imports)
-        return _generate(gen.runtime_step(method), gen.ENGINE_RUNTIME, checkpoint, request).to_dict()
+        return gen.runtime_step(gen.load_runtime_method(lowered.pte, recipe.runtime_imports)), gen.ENGINE_RUNTIME
     report["runtime_note"] = why_not
-    return _generate(gen.eager_step(module), recipe.eager_engine, checkpoint, request).to_dict()
+    return gen.eager_step(module), recipe.eager_engine
 
 
-def _recipe_fidelity(recipe, module, lowered, request, eval_reference) -> dict:
-    """Fidelity on the same engine as the recipe's generation: the .pte on the runtime when it runs here,
-    otherwise the quantized eager module (or converted PT2E graph)."""
-    eval_ids, reference_logits = eval_reference
-    if lowered is not None and recipe.cannot_run_here() is None:
-        step, engine = gen.runtime_step(gen.load_runtime_method(lowered.pte, recipe.runtime_imports)), gen.ENGINE_RUNTIME
-    else:
-        step, engine = gen.eager_step(module), recipe.eager_engine
+def _recipe_fidelity(recipe, step, engine, request, eval_reference) -> dict:
+    eval_ids, reference_logits, targets = eval_reference
     logits = fidelity.sequence_logits(step, eval_ids, request.max_seq_len)
-    return fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits,
-                                    fidelity.targets_of(eval_ids, request.max_seq_len))
+    return fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
 
 
 def _error(stage: str, err: Exception) -> dict:
@@ -340,11 +336,8 @@ def summary_rows(summary: dict) -> list[dict]:
             "decode_tokens_per_s": runtime[0]["decode_tokens_per_s"] if runtime else None,
             "engine": runtime[0]["engine"] if runtime else None,
             "fidelity": report.get("fidelity"),
-            "perplexity": (report.get("fidelity") or {}).get("perplexity"),
-            "perplexity_fp32": (report.get("fidelity") or {}).get("perplexity_fp32"),
-            "top1_agreement_percent": (report.get("fidelity") or {}).get("top1_agreement_percent"),
-            "mean_kl": (report.get("fidelity") or {}).get("mean_kl"),
-            "meets_target": (report.get("fidelity") or {}).get("meets_target"),
+            **{key: (report.get("fidelity") or {}).get(key)
+               for key in ("perplexity", "perplexity_fp32", "top1_agreement_percent", "mean_kl", "meets_target")},
             "error": report["errors"][0]["message"] if report["errors"] else None,
         })
     return rows

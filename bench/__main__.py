@@ -49,9 +49,11 @@ def median(values):
     return round(statistics.median(values), 3) if values else None
 
 
-def lowerbench_export_cmd(out: Path) -> list[str]:
-    return [PY, "-m", "recipes", "run", "--recipe", "xnnpack-8da4w", "--out", str(out),
-            "--max-seq-len", str(MAX_SEQ_LEN)]
+def lowerbench_export_cmd(hf: Path, out: Path, export_only: bool = True) -> list[str]:
+    """The same checkpoint folder optimum reads. export_only: what optimum-cli does (checkpoint -> .pte);
+    without it Lowerbench also generates with the fp32 reference and the .pte and measures fidelity."""
+    return [PY, "-m", "recipes", "run", "--model", str(hf), "--recipe", "xnnpack-8da4w",
+            "--max-seq-len", str(MAX_SEQ_LEN), *(["--export-only"] if export_only else []), "--out", str(out)]
 
 
 def optimum_export_cmd(hf: Path, out: Path) -> list[str]:
@@ -80,12 +82,12 @@ def optimum_pte(hf: Path, log_dir: Path) -> Path | None:
     return out / "model.pte" if record["returncode"] == 0 else None
 
 
-def lowerbench_pte(log_dir: Path) -> Path | None:
+def lowerbench_pte(hf: Path, log_dir: Path) -> Path | None:
     found = sorted(TMP.glob("lowerbench-export-*/model.pte")) + sorted(TMP.glob("lowerbench-pte/model.pte"))
     if found:
         return found[0]
     out = TMP / "lowerbench-pte"
-    record = run_measured(lowerbench_export_cmd(out), log_dir / "lowerbench-pte.log", cwd=ROOT)
+    record = run_measured(lowerbench_export_cmd(hf, out), log_dir / "lowerbench-pte.log", cwd=ROOT)
     return out / "model.pte" if record["returncode"] == 0 else None
 
 
@@ -94,7 +96,7 @@ def phase_decode(args, hf: Path) -> dict:
     engines: dict[str, list[str] | None] = {}
     skipped = {}
     wanted = lambda name: name not in args.skip and (not args.peers or name in args.peers)
-    pte = lowerbench_pte(log_dir) if wanted("lowerbench-pte") else None
+    pte = lowerbench_pte(hf, log_dir) if wanted("lowerbench-pte") else None
     common = ["--hf", str(hf), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
     engines["lowerbench-pte"] = [PY, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), *common] if pte else None
     if pte is None and wanted("lowerbench-pte"):
@@ -148,7 +150,11 @@ def summarize_decode(data: dict) -> dict:
 
 def phase_export(args, hf: Path) -> dict:
     log_dir = TMP / "logs"
-    peers = {"lowerbench": lambda i: lowerbench_export_cmd(TMP / f"lowerbench-export-{i}")}
+    peers = {"lowerbench": lambda i: lowerbench_export_cmd(hf, TMP / f"lowerbench-export-{i}"),
+             # not a peer of optimum's: the whole Lowerbench job, with its generations and fidelity
+             "lowerbench-full": lambda i: lowerbench_export_cmd(hf, TMP / f"lowerbench-full-{i}", export_only=False)}
+    if "lowerbench-full" not in args.peers:
+        peers.pop("lowerbench-full")  # only on request (--peers lowerbench-full): it is not what optimum does
     skipped = {}
     why_not = optimum_available()
     if why_not or "optimum" in args.skip:
@@ -164,7 +170,7 @@ def phase_export(args, hf: Path) -> dict:
             record = run_measured(cmd(i), log_dir / f"export-{name}-{i}.log", cwd=ROOT,
                                   timeout_s=args.export_timeout)
             record.update(peer=name, run=i, timeout_s=args.export_timeout)
-            if name == "lowerbench":
+            if name.startswith("lowerbench"):
                 report = out / "report.json"
                 record["timings_s"] = json.loads(report.read_text())["timings_s"] if report.is_file() else None
             pte = next(iter(sorted(out.glob("*.pte"))), None)

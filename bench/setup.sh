@@ -9,6 +9,10 @@ LLAMA_CPP=$(grep -E '^llama-cpp-python==' requirements.txt)
 mkdir -p .cache/wheels
 if ! ls .cache/wheels/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "building $LLAMA_CPP from source (several minutes)" >&2
+    # Only the text model library: llava/mtmd, tests, examples and tools are most of the compile time
+    # and the benchmark uses none of them. GGML_NATIVE builds one CPU variant for this machine.
+    CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON ${CMAKE_ARGS:-}" \
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
         "$PY" -m pip wheel --no-deps --no-binary llama-cpp-python "$LLAMA_CPP" -w .cache/wheels
 fi

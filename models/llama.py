@@ -39,12 +39,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in fp32 like Hugging Face, so fp16 models do not overflow in the variance.
-        x32 = x.float()
-        # mean over a 4-D [.., hidden, 1] view on dims (2, 3): the one form XNNPACK's mean takes,
-        # so norms stay inside the delegate instead of splitting every layer into more partitions.
-        squares = x32.pow(2).unsqueeze(-1)
-        variance = squares.mean(dim=(-2, -1), keepdim=True).squeeze(-1)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
+        # Everything in a 4-D [.., T, hidden, 1] form: XNNPACK's mean takes only dims (2, 3) of a 4-D
+        # tensor, its unsqueeze only the trailing dim, and its reshape only a shape with one inferred
+        # (-1) dim and no symbolic ones. In this form the norm stays inside the delegate instead of
+        # splitting every layer into more partitions.
+        x4 = x.float().unsqueeze(-1)
+        variance = x4.pow(2).mean(dim=(-2, -1), keepdim=True)
+        x32 = (x4 * torch.rsqrt(variance + self.eps)).view(*x.shape[:-2], -1, x.shape[-1])
         return self.weight * x32.to(x.dtype)
 
 
@@ -62,6 +63,11 @@ class MLP(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """R with x @ R.T == rotate_half(x): a signed permutation, so the product is exact."""
+    return rotate_half(torch.eye(head_dim)).T.contiguous()
 
 
 class Attention(nn.Module):
@@ -82,15 +88,22 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=options.dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=options.dtype), persistent=False)
 
-    def forward(self, x, cos, sin, start_pos, positions, mask):
-        # x: [1, T, hidden]; cos/sin: [T, head_dim]
+    def forward(self, x, rope, start_pos, positions, mask):
+        # x: [1, T, hidden]; rope: cos, sin [1, T, 1, head_dim] and the rotate_half matrix
+        # Views say -1 for T rather than a symbolic size: XNNPACK delegates only that form.
         bsz, seq_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq_len, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = self.q_proj(x).view(bsz, -1, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
+        cos, sin, rotation = rope
+        if rotation is not None:
+            # rotate_half as a product with a constant signed permutation: XNNPACK takes no slice of a
+            # dynamic-length tensor, so the slicing form would cut every layer into two more partitions.
+            q = q * cos + F.linear(q, rotation) * sin
+            k = k * cos + F.linear(k, rotation) * sin
+        else:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         if self.attention == "custom":
             torch.ops.llama.update_cache(k, self.k_cache, start_pos)
             torch.ops.llama.update_cache(v, self.v_cache, start_pos)
@@ -121,7 +134,7 @@ class Attention(nn.Module):
                 values = values.repeat_interleave(repeat, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             out = out.transpose(1, 2)
-        return self.o_proj(out.reshape(bsz, seq_len, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(bsz, -1, self.n_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -132,8 +145,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps)
 
-    def forward(self, x, cos, sin, start_pos, positions, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, positions, mask)
+    def forward(self, x, rope, start_pos, positions, mask):
+        x = x + self.self_attn(self.input_layernorm(x), rope, start_pos, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -202,6 +215,9 @@ class LlamaForExport(nn.Module):
         cos, sin = rope_tables(config, options.max_seq_len)
         self.register_buffer("rope_cos", cos.to(options.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(options.dtype), persistent=False)
+        if options.attention == "custom":
+            rotation = rotate_half_matrix(self.shape.head_dim).to(options.dtype)
+            self.register_buffer("rope_rotation", rotation, persistent=False)
         if options.attention == "sdpa":
             causal = torch.tril(torch.ones(options.max_seq_len, options.max_seq_len, dtype=torch.bool))
             self.register_buffer("causal_mask", causal, persistent=False)
@@ -223,14 +239,16 @@ class LlamaForExport(nn.Module):
         else:
             start_pos = None
             mask = self.causal_mask.index_select(0, positions)
-        cos = self.rope_cos.index_select(0, positions)
-        sin = self.rope_sin.index_select(0, positions)
+        # [1, T, 1, head_dim], made once here rather than in every layer
+        cos = self.rope_cos.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
+        sin = self.rope_sin.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
+        rope = (cos, sin, getattr(self, "rope_rotation", None))
         x = self.model.embed_tokens(tokens)
         if self.options.attention == "sdpa-onehot":
             # made once here, so the integer ops stay outside the layers the backend takes whole
             positions = (torch.arange(self.options.max_seq_len)[None, :] == positions[:, None]).to(x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, start_pos, positions, mask)
+            x = layer(x, rope, start_pos, positions, mask)
         return self.lm_head(self.model.norm(x))
 
     def reset_cache(self) -> None:
@@ -264,6 +282,8 @@ def build_exportable(config, state_dict: dict[str, torch.Tensor], options: Expor
     cos, sin = rope_tables(config, options.max_seq_len)
     module.rope_cos.copy_(cos.to(options.dtype))
     module.rope_sin.copy_(sin.to(options.dtype))
+    if options.attention == "custom":
+        module.rope_rotation.copy_(rotate_half_matrix(module.shape.head_dim).to(options.dtype))
     if options.attention == "sdpa":
         module.causal_mask.copy_(torch.tril(torch.ones_like(module.causal_mask)))
     return module.eval()

@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--group-size", type=int, default=None, help="weight quantization group size")
     run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
+    run.add_argument("--export-only", action="store_true",
+                     help="write the .pte and its delegation report only: no sample generations, no fidelity")
     return parser
 
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         token=os.environ.get("HF_TOKEN"), allow_pickle=args.allow_pickle,
         prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
-        temperature=args.temperature, top_p=args.top_p, options=options,
+        temperature=args.temperature, top_p=args.top_p, options=options, generate=not args.export_only,
     )
     try:
         summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))

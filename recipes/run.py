@@ -46,6 +46,9 @@ class RunRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     options: dict = field(default_factory=dict)  # recipe options: group_size, ...
+    # False: only the .pte and its delegation report (CI jobs that test the .pte elsewhere); no sample
+    # generations and no fidelity, so the report's generations list is empty.
+    generate: bool = True
 
 
 def versions() -> dict:
@@ -152,18 +155,21 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     for recipe in recipes:
         check_group_size_fits(recipe.quantization, recipe_options(recipe, request).get("group_size"), checkpoint.config)
 
-    started = stages.begin("generating with the fp32 eager reference")
-    reference_module = build_exportable(
-        checkpoint.config, checkpoint.state_dict, ExportOptions(request.max_seq_len, attention="sdpa")
-    )
-    reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
-    stages.end(started, shared_timings, "reference_generation")
-    started = stages.begin("fp32 reference logits on the evaluation text")
-    eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
-    eval_reference = (eval_ids, fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len),
-                      fidelity.targets_of(eval_ids, request.max_seq_len))
-    stages.end(started, shared_timings, "reference_fidelity")
-    del reference_module
+    reference = eval_reference = None
+    if request.generate:
+        started = stages.begin("generating with the fp32 eager reference")
+        reference_module = build_exportable(
+            checkpoint.config, checkpoint.state_dict, ExportOptions(request.max_seq_len, attention="sdpa")
+        )
+        reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
+        stages.end(started, shared_timings, "reference_generation")
+        started = stages.begin("fp32 reference logits on the evaluation text")
+        eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
+        eval_reference = (eval_ids,
+                          fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len),
+                          fidelity.targets_of(eval_ids, request.max_seq_len))
+        stages.end(started, shared_timings, "reference_fidelity")
+        del reference_module
 
     prepared: dict[tuple, tuple[torch.nn.Module, str]] = {}  # quantized module and the recipe that made it
     reports = []
@@ -172,7 +178,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir,
                              eval_reference=eval_reference)
         reports.append(report)
-    summary = {"model": checkpoint.describe(), "reference": reference.to_dict(), "recipes": reports}
+    summary = {"model": checkpoint.describe(), "reference": reference.to_dict() if reference else None,
+               "recipes": reports}
     if len(recipes) > 1:
         write_atomically(out_dir / "summary.json", json.dumps(summary_rows(summary), indent=2).encode())
     if progress:
@@ -243,7 +250,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "timings_s": timings,
         "pte": None,
         "delegation": None,
-        "generations": [reference.to_dict()],
+        "generations": [reference.to_dict()] if reference else [],
         "fidelity": None,
         "errors": [],
     }
@@ -265,7 +272,9 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
         report["errors"].append(_error("lower" if module is not None else "prepare", err))
     step = engine = None
-    if module is not None:
+    if not request.generate:
+        report["generation_note"] = "export only: no sample generations and no fidelity were asked for"
+    elif module is not None:
         try:
             started = stages.begin(f"generating with {recipe.name}")
             step, engine = _recipe_engine(recipe, module, lowered, report)
@@ -322,7 +331,7 @@ def summary_rows(summary: dict) -> list[dict]:
     rows = []
     for report in summary["recipes"]:
         delegation = report.get("delegation") or {}
-        runtime = report["generations"][1:]
+        runtime = [g for g in report["generations"] if g["engine"] != gen.ENGINE_EAGER_FP32]
         rows.append({
             "recipe": report["recipe"]["name"],
             "backend": report["recipe"]["backend"],

@@ -1,4 +1,5 @@
-"""The speed patch to XNNPACK's preprocessing passes skips only passes that could not have matched."""
+"""The speed patches to our dependencies, and Lowerbench's own skipped decomposition, change how fast the
+.pte is made, never its bytes."""
 import copy
 
 import torch
@@ -14,6 +15,15 @@ def _edge_graph(module, *inputs):
 
 def test_patch_applies_to_the_pinned_executorch():
     assert dependency_patches.apply() == {"executorch", "torchao"}
+
+
+def test_each_guarded_pass_anchor_is_in_every_one_of_its_patterns():
+    """The patch skips a pass without building its patterns when the anchor op is absent: that is only
+    safe while every pattern contains the anchor."""
+    for pass_cls, (patterns_of, anchor_of) in dependency_patches.pass_patterns().items():
+        patterns = dependency_patches._pattern_ops(patterns_of())
+        assert patterns, pass_cls
+        assert all(anchor_of() in ops for ops in patterns), pass_cls
 
 
 def test_sdpa_pass_still_rewrites_an_sdpa_pattern_and_skips_a_graph_without_one():
@@ -75,30 +85,51 @@ import hashlib, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
-from recipes import dependency_patches, lowering
-from recipes.xnnpack import xnnpack_partitioners
-if sys.argv[1] == "unpatched":
+from recipes import dependency_patches, generate, lowering
+from recipes.xnnpack import _RUNTIME_IMPORTS, xnnpack_partitioners
+mode = sys.argv[1]
+if mode == "unpatched":
     dependency_patches.apply = lambda: set()
-config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    lowering._skip_redundant_decomposition = lambda partitioners: None  # ExecuTorch's three decompositions
+elif mode == "patched-same-order":
+    dependency_patches.apply(reorder_partitions=False)
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2)
 torch.manual_seed(0)
 module = build_exportable(config, LlamaForCausalLM(config).state_dict(), ExportOptions(max_seq_len=64))
 apply_scheme(module, "8da4w")
 lowered = lowering.lower_to_pte(lowering.export_program(module, 64), xnnpack_partitioners({}))
 print("PTE", hashlib.sha256(lowered.pte).hexdigest())
+program, method = generate.load_runtime_method(lowered.pte, _RUNTIME_IMPORTS)
+prefill = method.execute([torch.tensor([[5, 17, 200, 3, 99, 41]]), torch.tensor([0])])[0]
+decode = method.execute([torch.tensor([[7]]), torch.tensor([6])])[0]
+print("LOGITS", hashlib.sha256(prefill.numpy().tobytes() + decode.numpy().tobytes()).hexdigest())
 """
 
 
-def test_patched_lowering_writes_the_same_pte_bytes():
+def test_patches_change_neither_the_pte_bytes_nor_what_it_computes():
+    """Patches 1-3 and the skipped decomposition: byte-identical .pte. Patch 4 reorders top-level
+    instructions: bit-identical logits on the ExecuTorch runtime, prefill and decode."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    digests = {}
-    for mode in ("patched", "unpatched"):
+    out = {}
+    for mode in ("unpatched", "patched-same-order", "patched"):
         result = subprocess.run([sys.executable, "-c", _LOWER_TINY_8DA4W, mode], cwd=root, capture_output=True,
                                 text=True, timeout=900)
         assert result.returncode == 0, result.stderr[-2000:]
-        digests[mode] = [line for line in result.stdout.splitlines() if line.startswith("PTE")]
-    assert digests["patched"] == digests["unpatched"] and len(digests["patched"]) == 1
+        out[mode] = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("PTE", "LOGITS")))
+    assert out["patched-same-order"]["PTE"] == out["unpatched"]["PTE"]
+    assert out["patched"]["LOGITS"] == out["patched-same-order"]["LOGITS"] == out["unpatched"]["LOGITS"]
+
+
+def test_order_check_finds_a_node_before_its_input():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.relu, (x,))
+    graph.output(y)
+    assert dependency_patches.topologically_ordered(graph)
+    x.append(graph.call_function(torch.neg, (y,)))  # neg(y) moved before y
+    assert not dependency_patches.topologically_ordered(graph)

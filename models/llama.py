@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_KINDS = ("sdpa", "custom", "sdpa-slice", "sdpa-onehot")
+XNNPACK_ATTENTION = ("custom", "sdpa")  # the forms XNNPACK recipes use: norms in XNNPACK's delegable form
 
 
 @dataclass(frozen=True)
@@ -32,20 +33,25 @@ class ExportOptions:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, xnnpack_form: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.xnnpack_form = xnnpack_form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in fp32 like Hugging Face, so fp16 models do not overflow in the variance.
-        # Everything in a 4-D [.., T, hidden, 1] form: XNNPACK's mean takes only dims (2, 3) of a 4-D
-        # tensor, its unsqueeze only the trailing dim, and its reshape only a shape with one inferred
-        # (-1) dim and no symbolic ones. In this form the norm stays inside the delegate instead of
-        # splitting every layer into more partitions.
-        x4 = x.float().unsqueeze(-1)
-        variance = x4.pow(2).mean(dim=(-2, -1), keepdim=True)
-        x32 = (x4 * torch.rsqrt(variance + self.eps)).view(*x.shape[:-2], -1, x.shape[-1])
+        x32 = x.float()
+        if self.xnnpack_form:
+            # mean over a 4-D [.., T, hidden, 1] view on dims (2, 3): XNNPACK's mean takes only that, its
+            # unsqueeze only the trailing dim, and its reshape only a shape with one inferred (-1) dim.
+            # In this form the norm stays inside the delegate instead of splitting every layer.
+            squares = x32.pow(2).unsqueeze(-1)
+            variance = squares.mean(dim=(-2, -1), keepdim=True).view(*x.shape[:-2], -1, 1)
+        else:
+            # Hugging Face's form: QNN's RecomposeRmsNorm turns exactly this pattern into one rms_norm op.
+            variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -142,8 +148,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(shape, options)
         self.mlp = MLP(shape.hidden, shape.intermediate, shape.mlp_bias)
-        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps)
+        xnnpack_form = options.attention in XNNPACK_ATTENTION
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, xnnpack_form)
+        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, xnnpack_form)
 
     def forward(self, x, rope, start_pos, positions, mask):
         x = x + self.self_attn(self.input_layernorm(x), rope, start_pos, positions, mask)
@@ -189,7 +196,7 @@ class _Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
         self.layers = nn.ModuleList(DecoderLayer(shape, options) for _ in range(shape.n_layers))
-        self.norm = RMSNorm(shape.hidden, shape.rms_norm_eps)
+        self.norm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.attention in XNNPACK_ATTENTION)
 
 
 def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

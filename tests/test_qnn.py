@@ -29,11 +29,15 @@ def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
     linears = [n for n in nodes if n.target == torch.ops.aten.linear.default]
     assert len(linears) == 2 * 7 + 1
-    # every linear weight is 4-bit per output channel, every activation 16-bit
-    for linear in linears:
+    # layer weights 4-bit in blocks of 32 input channels, the output layer 8-bit per channel;
+    # every activation 16-bit
+    for linear in linears[:-1]:
         weight = linear.args[1]
-        assert weight.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
-        assert tuple(weight.args[4:6]) == (-7, 7)  # symmetric int4
+        assert weight.target == torch.ops.torchao.dequantize_affine.default
+        assert list(weight.args[1]) == [1, 32] and tuple(weight.args[5:7]) == (-7, 7)  # symmetric int4 blocks
+    head = linears[-1].args[1]
+    assert head.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
+    assert tuple(head.args[4:6]) == (-127, 127)
     act_q = [n for n in nodes if n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default]
     assert act_q and all(n.args[4] - n.args[3] >= 65534 for n in act_q)  # 16-bit (uint16 or symmetric int16)
     # a static one-token program: prefill runs token by token through the same q/dq graph

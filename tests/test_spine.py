@@ -178,7 +178,9 @@ def test_builtin_model_8da4w_end_to_end(builtin_8da4w_run):
     assert "Paris" in runtime[0]["text"], runtime[0]["text"]
     assert runtime[0]["decode_tokens_per_s"] > 0
     linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
-    assert linear["non_delegated"] == 0 and linear["delegated"] == 30 * 7 + 1
+    # 7 projections and 2 rope rotations per layer, plus lm_head; one XNNPACK partition per layer
+    assert linear["non_delegated"] == 0 and linear["delegated"] == 30 * (7 + 2) + 1
+    assert report["delegation"]["delegated_subgraphs"] == 30 + 1
 
 
 @pytest.fixture

@@ -134,8 +134,11 @@ def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
     "20 minutes on 2 cores, beyond the suite's budget; the tiny-model test above covers the real QNN path",
 )
 def test_builtin_model_lowers_to_qnn_with_delegated_linears(tmp_path):
+    # qnn-16a8w, not the default: the default's 4-bit block-quantized linears fail HTP graph prepare with the
+    # onnxruntime-qnn 2.47 libraries once a linear is 256 wide or more ("no properties registered for
+    # q::GenPad", docs/qnn.md); per-channel weights lower.
     out = tmp_path / "out"
-    result = run_cli("run", "--recipe", "qnn-16a4w", "--out", str(out), "--max-seq-len", "128", "--max-new-tokens", "8",
+    result = run_cli("run", "--recipe", "qnn-16a8w", "--out", str(out), "--max-seq-len", "128", "--max-new-tokens", "8",
                      timeout=3600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

@@ -150,11 +150,10 @@ def summarize_decode(data: dict) -> dict:
 
 def phase_export(args, hf: Path) -> dict:
     log_dir = TMP / "logs"
-    peers = {"lowerbench": lambda i: lowerbench_export_cmd(hf, TMP / f"lowerbench-export-{i}"),
-             # not a peer of optimum's: the whole Lowerbench job, with its generations and fidelity
-             "lowerbench-full": lambda i: lowerbench_export_cmd(hf, TMP / f"lowerbench-full-{i}", export_only=False)}
-    if "lowerbench-full" not in args.peers:
-        peers.pop("lowerbench-full")  # only on request (--peers lowerbench-full): it is not what optimum does
+    peers = {"lowerbench": lambda i: lowerbench_export_cmd(hf, TMP / f"lowerbench-export-{i}")}
+    if "lowerbench-full" in args.peers:
+        # Only on request: the whole Lowerbench job, with its generations and fidelity, is not what optimum does.
+        peers["lowerbench-full"] = lambda i: lowerbench_export_cmd(hf, TMP / f"lowerbench-full-{i}", export_only=False)
     skipped = {}
     why_not = optimum_available()
     if why_not or "optimum" in args.skip:

@@ -26,8 +26,8 @@ def _is_output_layer(node: torch.fx.Node) -> bool:
     return isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and str(weight.target) == "lm_head.weight"
 
 
-def qnn_quantizer(scheme: str, options: dict, graph: torch.fx.Graph | None = None):
-    """graph: the graph the quantizer will annotate (block sizes are given per node name)."""
+def qnn_quantizer(scheme: str, options: dict, graph: torch.fx.Graph):
+    """graph: the graph the quantizer will annotate (16a4w's block sizes are given per node name)."""
     from recipes.qnn import chipset
 
     soc, _arch = chipset(options)  # also imports executorch.backends.qualcomm without an SDK download
@@ -37,8 +37,7 @@ def qnn_quantizer(scheme: str, options: dict, graph: torch.fx.Graph | None = Non
     if scheme == "qnn-16a4w":
         quantizer.set_default_quant_config(QuantDtype.use_16a4w_block, is_conv_per_channel=True,
                                            is_linear_per_channel=True)
-        linears = [n for n in (graph.nodes if graph is not None else ())
-                   if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
+        linears = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
         quantizer.set_block_size_map({n.name: (1, QNN_16A4W_BLOCK) for n in linears if not _is_output_layer(n)})
         quantizer.set_submodule_qconfig_list([
             (_is_output_layer, ModuleQConfig(QuantDtype.use_16a8w, is_linear_per_channel=True)),

@@ -125,6 +125,23 @@ def test_patches_change_neither_the_pte_bytes_nor_what_it_computes():
     assert out["patched"]["LOGITS"] == out["patched-same-order"]["LOGITS"] == out["unpatched"]["LOGITS"]
 
 
+def test_idle_retrace_is_skipped_for_the_listed_pass_only_not_for_its_subclasses():
+    from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
+
+    dependency_patches.apply()
+
+    class Linear(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.relu(x) * 2
+
+    class Subclass(ConvertToLinearPass):  # e.g. a backend's variant that rewrites before calling super().call
+        pass
+
+    graph_module = _edge_graph(Linear(), torch.randn(2, 4)).graph_module
+    assert ConvertToLinearPass()(graph_module).graph_module is graph_module  # nothing to convert: no re-trace
+    assert Subclass()(graph_module).graph_module is not graph_module  # re-traced, as without the patch
+
+
 def test_order_check_finds_a_node_before_its_input():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

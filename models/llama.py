@@ -11,7 +11,8 @@ as mutable buffers). Backend-specific choices are options of this one module:
                       only, its gather takes no bool tensor)
   attention="sdpa-onehot" aten SDPA, cache updated by a one-hot matmul + blend and the causal mask made
                       once per call: no int64 index_put in the layers (QNN HTP)
-Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is.
+Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is (the XNNPACK form's fused
+qkv_proj is concatenated from q_proj, k_proj and v_proj on load).
 """
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ class ExportOptions:
     max_seq_len: int = 512
     attention: str = "custom"
     dtype: torch.dtype = torch.float32
+
+
+def fuses_qkv(options: ExportOptions) -> bool:
+    """q/k/v as one linear (qkv_proj) in the XNNPACK fast path: one weight read, one dynamic activation
+    quantization and one kernel call instead of three each, per layer and token. Per output row the int4
+    groups are the same as in three linears, so 8da4w quantizes the fused weight exactly alike. The other
+    forms keep three: QNN quantizes each linear's output with one static range, which q, k and v must not share."""
+    return options.attention == "custom"
 
 
 class RMSNorm(nn.Module):
@@ -82,9 +91,15 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
         self.attention = options.attention
         hidden, bias = shape.hidden, shape.attention_bias
-        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+        self.fused_qkv = fuses_qkv(options)
+        if self.fused_qkv:
+            # q, k and v heads from one linear (build_exportable concatenates the checkpoint's weights)
+            n_all = self.n_heads + 2 * self.n_kv_heads
+            self.qkv_proj = nn.Linear(hidden, n_all * self.head_dim, bias=bias)
+        else:
+            self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+            self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
+            self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
         if self.attention == "custom":
             # llama::custom_sdpa wants caches laid out [batch, seq, heads, head_dim].
@@ -95,19 +110,23 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=options.dtype), persistent=False)
 
     def forward(self, x, rope, start_pos, positions, mask):
-        # x: [1, T, hidden]; rope: cos, sin [1, T, 1, head_dim] and the rotate_half matrix
+        # x: [1, T, hidden]; rope: cos, sin [1, T, 1 or all heads, head_dim] and, fused, the rotate_half matrix
         # Views say -1 for T rather than a symbolic size: XNNPACK delegates only that form.
         bsz, seq_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, -1, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
         cos, sin, rotation = rope
-        if rotation is not None:
+        if self.fused_qkv:
+            # Rope on all heads at once, with cos 1 and sin 0 on the v heads (exact: v * 1 + R(v) * 0 == v),
+            # then split. XNNPACK slices no dynamic-length tensor, so the split must come after everything the
+            # delegate takes: here it feeds only update_cache and custom_sdpa, which run outside it anyway.
+            qkv = self.qkv_proj(x).view(bsz, -1, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
             # rotate_half as a product with a constant signed permutation: XNNPACK takes no slice of a
             # dynamic-length tensor, so the slicing form would cut every layer into two more partitions.
-            q = q * cos + F.linear(q, rotation) * sin
-            k = k * cos + F.linear(k, rotation) * sin
+            qkv = qkv * cos + F.linear(qkv, rotation) * sin
+            q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
         else:
+            q = self.q_proj(x).view(bsz, -1, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         if self.attention == "custom":
@@ -210,6 +229,13 @@ def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
 
 
+def rope_head_mask(shape: LlamaShape) -> torch.Tensor:
+    """[all heads, 1]: 1 on the q and k heads of the fused q/k/v, 0 on the v heads."""
+    mask = torch.zeros(shape.n_heads + 2 * shape.n_kv_heads, 1)
+    mask[: shape.n_heads + shape.n_kv_heads] = 1.0
+    return mask
+
+
 class LlamaForExport(nn.Module):
     def __init__(self, config, options: ExportOptions):
         super().__init__()
@@ -222,9 +248,10 @@ class LlamaForExport(nn.Module):
         cos, sin = rope_tables(config, options.max_seq_len)
         self.register_buffer("rope_cos", cos.to(options.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(options.dtype), persistent=False)
-        if options.attention == "custom":
+        if fuses_qkv(options):
             rotation = rotate_half_matrix(self.shape.head_dim).to(options.dtype)
             self.register_buffer("rope_rotation", rotation, persistent=False)
+            self.register_buffer("rope_heads", rope_head_mask(self.shape).to(options.dtype), persistent=False)
         if options.attention == "sdpa":
             causal = torch.tril(torch.ones(options.max_seq_len, options.max_seq_len, dtype=torch.bool))
             self.register_buffer("causal_mask", causal, persistent=False)
@@ -249,6 +276,10 @@ class LlamaForExport(nn.Module):
         # [1, T, 1, head_dim], made once here rather than in every layer
         cos = self.rope_cos.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
         sin = self.rope_sin.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
+        if fuses_qkv(self.options):
+            # per head of the fused q/k/v: the tables on q and k heads, cos 1 and sin 0 on v heads
+            cos = cos * self.rope_heads + (1.0 - self.rope_heads)
+            sin = sin * self.rope_heads
         rope = (cos, sin, getattr(self, "rope_rotation", None))
         x = self.model.embed_tokens(tokens)
         if self.options.attention == "sdpa-onehot":
@@ -264,6 +295,20 @@ class LlamaForExport(nn.Module):
             layer.self_attn.v_cache.zero_()
 
 
+def fuse_qkv_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's q_proj/k_proj/v_proj weights (and biases) -> qkv_proj, rows in q, k, v order."""
+    fused = dict(weights)
+    for name in weights:
+        if not name.endswith(".self_attn.q_proj.weight"):
+            continue
+        prefix = name[: -len("q_proj.weight")]
+        for kind in ("weight", "bias"):
+            parts = [f"{prefix}{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj")]
+            if all(p in fused for p in parts):
+                fused[f"{prefix}qkv_proj.{kind}"] = torch.cat([fused.pop(p) for p in parts], dim=0)
+    return fused
+
+
 def build_exportable(config, state_dict: dict[str, torch.Tensor], options: ExportOptions) -> LlamaForExport:
     """Fresh module with the checkpoint's weights; lm_head gets its own copy when embeddings are tied,
     so embedding and output layer can be quantized differently."""
@@ -277,6 +322,8 @@ def build_exportable(config, state_dict: dict[str, torch.Tensor], options: Expor
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     weights = {k: v.to(options.dtype) for k, v in weights.items()}
+    if fuses_qkv(options):
+        weights = fuse_qkv_weights(weights)
     missing, unexpected = module.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
@@ -289,8 +336,9 @@ def build_exportable(config, state_dict: dict[str, torch.Tensor], options: Expor
     cos, sin = rope_tables(config, options.max_seq_len)
     module.rope_cos.copy_(cos.to(options.dtype))
     module.rope_sin.copy_(sin.to(options.dtype))
-    if options.attention == "custom":
+    if fuses_qkv(options):
         module.rope_rotation.copy_(rotate_half_matrix(module.shape.head_dim).to(options.dtype))
+        module.rope_heads.copy_(rope_head_mask(module.shape).to(options.dtype))
     if options.attention == "sdpa":
         module.causal_mask.copy_(torch.tril(torch.ones_like(module.causal_mask)))
     return module.eval()

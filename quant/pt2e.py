@@ -5,6 +5,8 @@ export-pipeline passes. That ExportedProgram is lowered; the converted module, w
 tokens, is what the QNN column's eager-qnn-simulated generation and fidelity run."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from quant.schemes import SCHEMES, Scheme
@@ -19,11 +21,48 @@ QNN_QUANT_DTYPES = {"qnn-16a4w": "use_16a4w", "qnn-16a8w": "use_16a8w", "qnn-8a8
 # perplexity ratio to fp32 in simulation: 4-bit per output channel x4.1; blocks of 32 x1.73; blocks of 32
 # with an 8-bit output layer x1.57 (16a8w: x1.08).
 QNN_16A4W_BLOCK = 32
+BLOCK_QUANTIZED_SCHEMES = ("qnn-16a4w",)
 
 
 def _is_output_layer(node: torch.fx.Node) -> bool:
     weight = node.args[1] if len(node.args) > 1 else None
     return isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and str(weight.target) == "lm_head.weight"
+
+
+_ANNOTATION = "quantization_annotation"  # the node.meta key PT2E quantizers annotate
+
+
+def share_kv_cache_encoding(gm: torch.fx.GraphModule) -> None:
+    """One encoding per KV cache, for the cache read, the keep-mask product and the updated cache.
+
+    The cache update is `cache * keep + onehot.T @ new` (models/llama.py, sdpa-onehot), then copied back
+    into the buffer. QNN's default activation observer is a moving average started by the first
+    calibration call, which reads an empty cache: the read and the product got a range near zero, so every
+    one-token call clamped the keys already cached to about +-0.3 (the simulated logits of prefill +
+    decode were up to 15 away from a whole-prompt call's). Sharing one min/max observer across the three
+    makes the buffer hold exactly what the next call reads back."""
+    from torchao.quantization.pt2e import MinMaxObserver
+    from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.copy_.default:
+            continue
+        buffer, updated = node.args
+        if not (buffer.op == "get_attr" and str(buffer.target).endswith("_cache")):
+            continue
+        reads = [u for u in buffer.users if u is not node and _ANNOTATION in u.meta
+                 and buffer in u.meta[_ANNOTATION].input_qspec_map]
+        if len(reads) != 1 or _ANNOTATION not in updated.meta:
+            raise RuntimeError(f"unexpected KV cache update form around {buffer.target}: reads {reads}")
+        read = reads[0]
+        spec = read.meta[_ANNOTATION].input_qspec_map[buffer]
+        observer = MinMaxObserver.with_args(dtype=spec.dtype, quant_min=spec.quant_min, quant_max=spec.quant_max,
+                                            qscheme=spec.qscheme)
+        read.meta[_ANNOTATION].input_qspec_map[buffer] = dataclasses.replace(spec, observer_or_fake_quant_ctr=observer)
+        # The read edge comes first in the graph, so the later tensors share its observer (PT2E cannot
+        # share with an observer it has not created yet).
+        read.meta[_ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
+        updated.meta[_ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
 
 
 def qnn_quantizer(scheme: str, options: dict, graph: torch.fx.Graph):
@@ -34,6 +73,7 @@ def qnn_quantizer(scheme: str, options: dict, graph: torch.fx.Graph):
     from executorch.backends.qualcomm.quantizer.quantizer import ModuleQConfig, QnnQuantizer, QuantDtype
 
     quantizer = QnnQuantizer(soc_model=soc)
+    quantizer.add_custom_quant_annotations((share_kv_cache_encoding,))
     if scheme == "qnn-16a4w":
         quantizer.set_default_quant_config(QuantDtype.use_16a4w_block, is_conv_per_channel=True,
                                            is_linear_per_channel=True)
@@ -75,7 +115,14 @@ def quantize_exported_qnn(scheme: str, program: torch.export.ExportedProgram, ca
         quantized = torch.export.export(converted, one_token, strict=True)
     # The simulation runs `converted`, which takes any number of tokens: the same quantization, without
     # feeding a prefill or the fidelity text through the one-token program token by token.
-    return QnnHtpPassManager().transform_for_export_pipeline(quantized), converted
+    # 16a4w: the linears go to QNN as 1x1 conv2d (ExecuTorch's ConvertLinearToConv2d, the form upstream's Qualcomm
+    # Llama uses; block sizes become (1, 32, 1, 1), the same numbers). QNN 2.47's HTP graph prepare rejects a
+    # block-quantized (LPBQ) FullyConnected with more than 256 output channels ("no properties registered for
+    # q::GenPad"); Conv2d takes the same weights. Measured in docs/qnn.md.
+    program = QnnHtpPassManager().transform_for_export_pipeline(
+        quantized, convert_linear_to_conv2d=scheme in BLOCK_QUANTIZED_SCHEMES
+    )
+    return program, converted
 
 
 def _scheme(name: str, description: str) -> Scheme:

@@ -37,6 +37,25 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wide_llama_dir(tmp_path_factory):
+    """A random 1-layer Llama as wide as real ones in its linears (256 -> 512 outputs): wider than 256 outputs is
+    where QNN 2.47 stops preparing block-quantized FullyConnected ops."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("wide-llama")
+    tokenizer = _tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def hub_repo_dirs(tiny_llama_dir, tmp_path_factory):
     """Folders served as Hub repos: the tiny Llama plus files a download must skip, a pickle-only copy,
     and a repo without config.json."""

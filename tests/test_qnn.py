@@ -27,15 +27,17 @@ def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_
 
     checkpoint, program, _simulated = tiny_qnn_16a4w
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
-    linears = [n for n in nodes if n.target == torch.ops.aten.linear.default]
-    assert len(linears) == 2 * 7 + 1
+    # every linear goes to QNN as a 1x1 conv2d (QNN 2.47 prepares no block-quantized FullyConnected wider than 256)
+    assert not [n for n in nodes if n.target == torch.ops.aten.linear.default]
+    convs = [n for n in nodes if n.target == torch.ops.aten.conv2d.default]
+    assert len(convs) == 2 * 7 + 1
     # layer weights 4-bit in blocks of 32 input channels, the output layer 8-bit per channel;
     # every activation 16-bit
-    for linear in linears[:-1]:
-        weight = linear.args[1]
+    for conv in convs[:-1]:
+        weight = conv.args[1]
         assert weight.target == torch.ops.torchao.dequantize_affine.default
-        assert list(weight.args[1]) == [1, 32] and tuple(weight.args[5:7]) == (-7, 7)  # symmetric int4 blocks
-    head = linears[-1].args[1]
+        assert list(weight.args[1]) == [1, 32, 1, 1] and tuple(weight.args[5:7]) == (-7, 7)  # symmetric int4 blocks
+    head = convs[-1].args[1]
     assert head.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
     assert tuple(head.args[4:6]) == (-127, 127)
     act_q = [n for n in nodes if n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default]
@@ -61,6 +63,34 @@ def test_simulation_module_is_the_lowered_quantization_and_takes_a_whole_prefill
     assert (simulated_steps - lowered_steps).abs().max().item() < 1e-4
     assert whole.shape == (1, 5, checkpoint.config.vocab_size)
     assert torch.allclose(whole[:, 0], lowered_steps[:, 0], atol=1e-4)  # the first position sees no cache
+
+
+def test_one_token_calls_after_a_prefill_match_the_whole_call(tiny_qnn_16a4w):
+    """The device runs one token per call, reading the KV cache earlier calls wrote. The cache read, the
+    keep-mask product and the cache update share one encoding, so prefill + decode and token-by-token
+    calls compute what one whole call computes (without it, every one-token call clamped the cached keys
+    to the near-zero range its moving-average observer had learnt from the empty cache)."""
+    _checkpoint, _program, simulated = tiny_qnn_16a4w
+    tokens = torch.tensor([[3, 5, 7, 2, 9, 4, 8, 6]])
+    n = tokens.shape[1]
+
+    def fresh():
+        for name, buffer in simulated.named_buffers():
+            if name.endswith("_cache"):
+                buffer.zero_()
+
+    with torch.no_grad():
+        fresh()
+        whole = simulated(tokens, torch.tensor([0]))
+        fresh()
+        prefill = simulated(tokens[:, :-2], torch.tensor([0]))
+        decoded = torch.cat([simulated(tokens[:, i:i + 1], torch.tensor([i])) for i in (n - 2, n - 1)], dim=1)
+        fresh()
+        steps = torch.cat([simulated(tokens[:, i:i + 1], torch.tensor([i])) for i in range(n)], dim=1)
+    spread = whole.abs().max().item()
+    assert (torch.cat([prefill, decoded], dim=1) - whole).abs().max().item() < 0.02 * spread
+    assert (steps - whole).abs().max().item() < 0.02 * spread
+    assert torch.equal(steps.argmax(-1), whole.argmax(-1))
 
 
 def test_without_qnn_libraries_lowering_fails_fast_with_what_to_install(no_qnn_libraries):
@@ -116,7 +146,9 @@ def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
     assert options["soc"] == "SM8650" and options["htp_arch"] == "v75"
     assert options["qnn_libraries"]
     ops = {o["op"]: o for o in report["delegation"]["ops"]}
-    assert ops["aten_linear_default"]["delegated"] == 2 * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
+    # the 15 linears, as 1x1 convolutions
+    assert ops["aten_convolution_default"]["delegated"] == 2 * 7 + 1
+    assert ops["aten_convolution_default"]["non_delegated"] == 0
     # the layers, KV-cache updates included, are one QNN partition; only position/mask prologue ops stay out
     assert report["delegation"]["delegated_subgraphs"] <= 2
     assert "aten_index_put_default" not in ops and "copy_" not in ops
@@ -127,22 +159,36 @@ def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
 
 
 @needs_qnn
+def test_block_quantized_linears_wider_than_256_outputs_lower_for_real(wide_llama_dir, tmp_path):
+    """qnn-16a4w's 4-bit blocks on 512-wide outputs: as FullyConnected, QNN 2.47's HTP graph prepare fails
+    ("no properties registered for q::GenPad"); as the 1x1 conv2d the recipe lowers, it makes a context binary."""
+    from recipes.run import RunRequest, run
+
+    out = tmp_path / "out"
+    summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(wide_llama_dir), max_seq_len=32, max_new_tokens=4,
+                             generate=False))
+    report = summary["recipes"][0]
+    assert report["errors"] == [], report["errors"]
+    ops = {o["op"]: o for o in report["delegation"]["ops"]}
+    assert ops["aten_convolution_default"]["delegated"] == 7 + 1
+    assert ops["aten_convolution_default"]["non_delegated"] == 0
+    assert b"QnnBackend" in (out / "model.pte").read_bytes()
+
+
+@needs_qnn
 @pytest.mark.builtin
 @pytest.mark.skipif(
     os.environ.get("LOWERBENCH_QNN_BUILTIN") != "1",
     reason="opt-in (LOWERBENCH_QNN_BUILTIN=1): PT2E calibration + QNN lowering of all 30 layers takes over "
-    "20 minutes on 2 cores, beyond the suite's budget; the tiny-model test above covers the real QNN path",
+    "7 minutes on 2 cores, beyond the suite's budget; the tiny and wide one-layer tests cover the real QNN path",
 )
 def test_builtin_model_lowers_to_qnn_with_delegated_linears(tmp_path):
-    # qnn-16a8w, not the default: the default's 4-bit block-quantized linears fail HTP graph prepare with the
-    # onnxruntime-qnn 2.47 libraries once a linear is 256 wide or more ("no properties registered for
-    # q::GenPad", docs/qnn.md); per-channel weights lower.
     out = tmp_path / "out"
-    result = run_cli("run", "--recipe", "qnn-16a8w", "--out", str(out), "--max-seq-len", "128", "--max-new-tokens", "8",
+    result = run_cli("run", "--recipe", "qnn-16a4w", "--out", str(out), "--max-seq-len", "128", "--max-new-tokens", "8",
                      timeout=3600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
+    linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_convolution_default"]  # linears as 1x1 conv2d
     assert linear["delegated"] == 30 * 7 + 1 and linear["non_delegated"] == 0
     assert report["generations"][1]["engine"] == "eager-qnn-simulated"
     assert report["recipe"]["options"]["htp_arch"] == "v75"

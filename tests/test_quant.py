@@ -172,9 +172,10 @@ def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
         assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "executorch-runtime"]
         assert report["fidelity"]["engine"] == "executorch-runtime"
         linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
-        # 7 projections per layer + lm_head, and 2 rope rotations per layer with ExecuTorch's attention ops
-        rope = 2 if report["recipe"]["name"] != "xnnpack-fp16" else 0
-        assert linear["non_delegated"] == 0 and linear["delegated"] == 2 * (7 + rope) + 1
+        # per layer: with ExecuTorch's attention ops 5 projections (q/k/v fused) + 1 rope rotation, with aten
+        # SDPA (fp16) the 7 projections; plus lm_head
+        per_layer = 5 + 1 if report["recipe"]["name"] != "xnnpack-fp16" else 7
+        assert linear["non_delegated"] == 0 and linear["delegated"] == 2 * per_layer + 1
         sizes[report["recipe"]["name"]] = report["pte"]["bytes"]
     assert sizes["xnnpack-8da4w-emb4"] < sizes["xnnpack-8da8w"] < sizes["xnnpack-fp16"]
 
@@ -189,3 +190,21 @@ def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path)
     assert first["errors"] == [] and second["errors"] == [], (first["errors"], second["errors"])
     assert second["timings_s"]["shared_quantization_with"] == "coreml-fp16"
     assert (tmp_path / "coreml-fp16" / "model.pte").exists() and (tmp_path / "coreml-fp32" / "model.pte").exists()
+
+
+def test_fused_qkv_quantizes_exactly_as_three_linears(tiny_checkpoint):
+    """The XNNPACK form's qkv_proj holds q, k and v rows in order; 8da4w's int4 groups run along each
+    output row, so the fused linear's output is the three separate quantized linears' outputs, concatenated."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.schemes import quantize_linears_8da4w
+
+    fused = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="custom"))
+    separate = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa"))
+    fused_attn, separate_attn = fused.model.layers[0].self_attn, separate.model.layers[0].self_attn
+    assert not hasattr(fused_attn, "q_proj") and not hasattr(separate_attn, "qkv_proj")
+    x = torch.randn(1, 5, tiny_checkpoint.config.hidden_size)
+    quantize_linears_8da4w(fused_attn, 32)
+    quantize_linears_8da4w(separate_attn, 32)
+    with torch.no_grad():
+        expected = torch.cat([separate_attn.q_proj(x), separate_attn.k_proj(x), separate_attn.v_proj(x)], dim=-1)
+        assert torch.allclose(fused_attn.qkv_proj(x), expected, atol=1e-5, rtol=0)

@@ -115,6 +115,11 @@ def phase_decode(args, hf: Path) -> dict:
     for name in list(engines):
         if name in args.skip or (args.peers and name not in args.peers):
             engines.pop(name)
+    if args.threads > 1 and engines.get("lowerbench-pte"):
+        # The same .pte on one thread: how much a second core buys says whether decode is bound by compute
+        # (close to 2x) or by reading the weights from memory (far below 2x). Not optimum's .pte: on one
+        # thread it aborts in executorch.runtime ("double free or corruption"), in 3 of 3 runs here.
+        engines[f"lowerbench-pte {ONE_THREAD}"] = [*engines["lowerbench-pte"][:-2], "--threads", "1"]
     for name in args.skip:
         skipped.setdefault(name, "skipped with --skip")
     runs = []
@@ -129,6 +134,9 @@ def phase_decode(args, hf: Path) -> dict:
     return {"skipped": skipped, "runs": runs,
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
                          "greedy": True, "eos_ignored": True}}
+
+
+ONE_THREAD = "(1 thread)"  # suffix of the single-thread probe engines
 
 
 def summarize_decode(data: dict) -> dict:

@@ -309,6 +309,6 @@ def _register(name: str, description: str) -> None:
 import quant.pt2e  # noqa: E402,F401  (registers the qnn-* PT2E schemes this file's recipes use)
 
 _register("qnn-16a4w", "Qualcomm HTP, 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer "
-                       "(PT2E, calibrated)")
+                       "(PT2E, calibrated; linears lowered as 1x1 conv2d)")
 _register("qnn-16a8w", "Qualcomm HTP, 16-bit activations, 8-bit per-channel weights (PT2E, calibrated)")
 _register("qnn-8a8w", "Qualcomm HTP, 8-bit activations, 8-bit per-channel weights (PT2E, calibrated)")

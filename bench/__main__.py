@@ -97,8 +97,10 @@ def phase_decode(args, hf: Path) -> dict:
     skipped = {}
     wanted = lambda name: name not in args.skip and (not args.peers or name in args.peers)
     pte = lowerbench_pte(hf, log_dir) if wanted("lowerbench-pte") else None
-    common = ["--hf", str(hf), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-    engines["lowerbench-pte"] = [PY, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), *common] if pte else None
+    common_for = lambda threads: ["--hf", str(hf), "--new-tokens", str(args.new_tokens), "--threads", str(threads)]
+    common = common_for(args.threads)
+    lowerbench_cmd = [PY, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte)]
+    engines["lowerbench-pte"] = [*lowerbench_cmd, *common] if pte else None
     if pte is None and wanted("lowerbench-pte"):
         skipped["lowerbench-pte"] = "the Lowerbench export failed (see bench/results/tmp/logs)"
     if importlib.util.find_spec("llama_cpp") is not None:
@@ -119,7 +121,7 @@ def phase_decode(args, hf: Path) -> dict:
         # The same .pte on one thread: how much a second core buys says whether decode is bound by compute
         # (close to 2x) or by reading the weights from memory (far below 2x). Not optimum's .pte: on one
         # thread it aborts in executorch.runtime ("double free or corruption"), in 3 of 3 runs here.
-        engines[f"lowerbench-pte {ONE_THREAD}"] = [*engines["lowerbench-pte"][:-2], "--threads", "1"]
+        engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
     for name in args.skip:
         skipped.setdefault(name, "skipped with --skip")
     runs = []
@@ -134,9 +136,6 @@ def phase_decode(args, hf: Path) -> dict:
     return {"skipped": skipped, "runs": runs,
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
                          "greedy": True, "eos_ignored": True}}
-
-
-ONE_THREAD = "(1 thread)"  # suffix of the single-thread probe engines
 
 
 def summarize_decode(data: dict) -> dict:

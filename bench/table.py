@@ -29,6 +29,9 @@ def _meta_line(meta: dict) -> str:
     return line + (f" · {meta['note']}" if meta.get("note") else "")
 
 
+ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
+
+
 def decode_table(data: dict) -> list[str]:
     engines = data["engines"]
     lb = engines.get("lowerbench-pte", {})
@@ -50,14 +53,10 @@ def decode_table(data: dict) -> list[str]:
         lines.append(f"| {name} | not run: {why} | | | | | | | 0 |")
     lines += ["", "tok/CPU-s: tokens per CPU-second of the engine's process (all its threads); other jobs on a "
                   "shared CPU distort it far less than wall-clock tok/s."]
-    scaling = []
-    for name in ("lowerbench-pte",):
-        one = engines.get(f"{name} (1 thread)", {}).get("decode_tokens_per_s")
-        many = engines.get(name, {}).get("decode_tokens_per_s")
-        if one and many:
-            scaling.append(f"{name} {ratio(many, one)}")
-    if scaling:
-        lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: " + ", ".join(scaling)
+    one = engines.get(ONE_THREAD_PROBE, {}).get("decode_tokens_per_s")
+    many = lb.get("decode_tokens_per_s")
+    if one and many:
+        lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}"
                   + f" ({s['threads']}× would mean bound by compute; far less, bound by reading the weights from memory)."]
     return lines
 

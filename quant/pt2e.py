@@ -74,7 +74,7 @@ def qnn_quantizer(scheme: str, options: dict, graph: torch.fx.Graph):
 
     quantizer = QnnQuantizer(soc_model=soc)
     quantizer.add_custom_quant_annotations((share_kv_cache_encoding,))
-    if scheme == "qnn-16a4w":
+    if scheme in BLOCK_QUANTIZED_SCHEMES:
         quantizer.set_default_quant_config(QuantDtype.use_16a4w_block, is_conv_per_channel=True,
                                            is_linear_per_channel=True)
         linears = [n for n in graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.linear.default]

@@ -18,41 +18,34 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    """A random 2-layer Llama with its tokenizer, saved as a Hugging Face folder (safetensors)."""
+def _random_llama_dir(tmp_path_factory, name: str, hidden: int, intermediate: int, layers: int):
+    """A random Llama (seed 0) with the tiny tokenizer, saved as a Hugging Face folder (safetensors)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
+    folder = tmp_path_factory.mktemp(name)
     tokenizer = _tiny_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama (hidden 64, MLP 128)."""
+    return _random_llama_dir(tmp_path_factory, "tiny-llama", hidden=64, intermediate=128, layers=2)
 
 
 @pytest.fixture(scope="session")
 def wide_llama_dir(tmp_path_factory):
     """A random 1-layer Llama as wide as real ones in its linears (256 -> 512 outputs): wider than 256 outputs is
     where QNN 2.47 stops preparing block-quantized FullyConnected ops."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("wide-llama")
-    tokenizer = _tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return _random_llama_dir(tmp_path_factory, "wide-llama", hidden=256, intermediate=512, layers=1)
 
 
 @pytest.fixture(scope="session")

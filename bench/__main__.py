@@ -1,6 +1,7 @@
 """Lowerbench against its peers, in one run: decode speed, export cost, and export scaling with depth.
 
     python3 -m bench [--runs 3] [--phases decode,export,scaling] [--layers 1,2,4,8,16,30]
+    python3 -m bench --phases breakdown --runs 11   (where a decode step's time goes; not in the default phases)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
@@ -233,12 +234,73 @@ def summarize_scaling(data: dict) -> dict:
     return {"layers": summary}
 
 
+def phase_breakdown(args, hf: Path) -> dict:
+    """The xnnpack-8da4w program with one part taken out at a time (bench/breakdown.py), each exported in
+    its own process, then timed together with the full program and optimum's .pte, one process per
+    rotation of the load order."""
+    from bench.breakdown import ABLATIONS
+
+    log_dir, out_dir = TMP / "logs", TMP / "breakdown"
+    exports, specs = [], []
+    for variant in ABLATIONS:
+        pte = out_dir / f"{variant}.pte"
+        cmd = [PY, "-m", "bench.breakdown", "export", "--hf", str(hf), "--variant", variant, "--out", str(pte),
+               "--max-seq-len", str(MAX_SEQ_LEN)]
+        record = run_measured(cmd, log_dir / f"breakdown-export-{variant}.log", cwd=ROOT)
+        exports.append({"variant": variant, "returncode": record["returncode"], "wall_s": record["wall_s"],
+                        **(record["result"] or {})})
+        if record["returncode"] == 0:
+            specs.append(f"{variant}={pte}")
+        _progress(f"breakdown export {variant}: rc {record['returncode']}, {record['wall_s']} s")
+    skipped = {}
+    opte = optimum_pte(hf, log_dir) if "optimum-pte" not in args.skip else None
+    if opte is not None:
+        specs.append(f"optimum-pte={opte}:all")
+    else:
+        skipped["optimum-pte"] = "skipped with --skip" if "optimum-pte" in args.skip else (
+            optimum_available() or "optimum export failed (see bench/results/tmp/logs)")
+    # In one process the programs loaded first decode slower (here Lowerbench's .pte ran 1.10-1.15x
+    # optimum's when loaded before it, 1.21-1.29x when loaded after), so the timing runs once per rotation
+    # of the load order and every program's figure is the median over all rotations' rounds.
+    timings = []
+    for shift in range(len(specs)):
+        order = [*specs[shift:], *specs[:shift]]
+        cmd = [PY, "-m", "bench.breakdown", "time", "--hf", str(hf), "--rounds", str(args.runs),
+               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), *order]
+        record = run_measured(cmd, log_dir / f"breakdown-time-{shift}.log", cwd=ROOT)
+        timings.append({"load_order": [spec.split("=")[0] for spec in order],
+                        "returncode": record["returncode"], "result": record["result"]})
+        _progress(f"breakdown timing, load order {shift}: rc {record['returncode']}, {record['wall_s']} s")
+    return {"exports": exports, "timings": timings, "skipped": skipped, "runs": [],
+            "what_each_lacks": {name: lacks for name, (lacks, _ablation) in ABLATIONS.items()},
+            "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
+                         "rounds": args.runs}}
+
+
+def summarize_breakdown(data: dict) -> dict:
+    decode, prefill = {}, {}
+    for timing in data.get("timings", []):
+        for name, row in ((timing.get("result") or {}).get("engines") or {}).items():
+            decode.setdefault(name, []).extend(row["decode_tokens_per_s"])
+            prefill.setdefault(name, []).extend(row["prefill_tokens_per_s"])
+    full_ms = 1000 / statistics.median(decode["full"]) if decode.get("full") else None
+    rows = {}
+    for name in decode:
+        rate = statistics.median(decode[name])
+        ms = 1000 / rate
+        rows[name] = {"decode_tokens_per_s": round(rate, 1), "ms_per_token": round(ms, 3),
+                      "ms_per_token_vs_full": round(ms - full_ms, 3) if full_ms else None,
+                      "prefill_tokens_per_s": round(statistics.median(prefill[name]), 1), "rounds": len(decode[name])}
+    return {"engines": rows}
+
+
 def _progress(message: str) -> None:
     print(f"[bench {dt.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
 
 PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "export": (phase_export, summarize_export, "peer"),
-          "scaling": (phase_scaling, summarize_scaling, "layers")}
+          "scaling": (phase_scaling, summarize_scaling, "layers"),
+          "breakdown": (phase_breakdown, summarize_breakdown, "variant")}
 
 
 def save_phase(name: str, meta: dict, result: dict) -> None:

@@ -16,6 +16,22 @@ from recipes.lowering import export_program, lower_to_pte
 from recipes.registry import get_recipe
 
 
+def export_recipe(config, state: dict, recipe_name: str, max_seq_len: int) -> tuple[dict, object]:
+    """Checkpoint weights -> lowered .pte with Lowerbench's own functions; (stage seconds, LoweredProgram)."""
+    recipe = get_recipe(recipe_name)
+    timings = {}
+    start = time.perf_counter()
+    module = build_exportable(config, state, ExportOptions(max_seq_len, attention=recipe.attention, dtype=recipe.dtype))
+    apply_scheme(module, recipe.quantization, recipe.options.get("group_size"))
+    timings["quantize"] = time.perf_counter() - start
+    start = time.perf_counter()
+    program = export_program(module, max_seq_len)
+    timings["export"] = time.perf_counter() - start
+    lowered = lower_to_pte(program, recipe.partitioners(recipe.options))
+    timings["lower"], timings["serialize"] = lowered.lower_s, lowered.serialize_s
+    return timings, lowered
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", required=True)
@@ -23,22 +39,12 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--recipe", default="xnnpack-8da4w")
     args = parser.parse_args()
-    recipe = get_recipe(args.recipe)
-    timings = {}
     start = time.perf_counter()
     checkpoint = load_folder(args.hf)
     config, state = truncated(checkpoint.config, checkpoint.state_dict, args.layers)
-    timings["load"] = time.perf_counter() - start
-    start = time.perf_counter()
-    module = build_exportable(config, state, ExportOptions(args.max_seq_len, attention=recipe.attention, dtype=recipe.dtype))
-    apply_scheme(module, recipe.quantization, recipe.options.get("group_size"))
-    timings["quantize"] = time.perf_counter() - start
-    start = time.perf_counter()
-    program = export_program(module, args.max_seq_len)
-    timings["export"] = time.perf_counter() - start
-    lowered = lower_to_pte(program, recipe.partitioners(recipe.options))
-    timings["lower"], timings["serialize"] = lowered.lower_s, lowered.serialize_s
-    timings = {k: round(v, 3) for k, v in timings.items()}
+    load_s = time.perf_counter() - start
+    stages, lowered = export_recipe(config, state, args.recipe, args.max_seq_len)
+    timings = {k: round(v, 3) for k, v in {"load": load_s, **stages}.items()}
     timings["export_path"] = round(sum(timings[k] for k in ("quantize", "export", "lower", "serialize")), 3)
     print(json.dumps({"layers": args.layers, "timings_s": timings, "pte_bytes": len(lowered.pte)}), flush=True)
 

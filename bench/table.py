@@ -20,11 +20,11 @@ def fmt(x, digits=1) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def _meta_line(meta: dict) -> str:
+def _meta_line(meta: dict, how: str | None = None) -> str:
     m = meta["machine"]
     runs = meta.get("runs_requested")
-    line = (f"{meta['date']} · {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB · median of {runs} run"
-            f"{'s' if runs != 1 else ''} per figure, peers run in turn within each run · load average before/after "
+    how = how or f"median of {runs} run{'s' if runs != 1 else ''} per figure, peers run in turn within each run"
+    line = (f"{meta['date']} · {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB · {how} · load average before/after "
             f"{meta['load_average_before'][0]} / {meta['load_average_after'][0]}")
     return line + (f" · {meta['note']}" if meta.get("note") else "")
 
@@ -150,10 +150,34 @@ def scaling_plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def breakdown_table(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [f"### Where a decode step goes (xnnpack-8da4w with one part taken out; {s['new_tokens']} new tokens, "
+             f"{s['threads']} threads, one process)",
+             _meta_line(data["meta"], f"median over {len(data.get('timings', []))} processes (one per rotation of the "
+                                      f"load order) × {s['rounds']} rounds, each round one generation per program in turn"),
+             "", "| program | what it lacks | decode tok/s | ms per token | ms per token vs full | prefill tok/s |",
+             "|---|---|---|---|---|---|"]
+    lacks = data.get("what_each_lacks", {})
+    for name, row in data.get("engines", {}).items():
+        what = lacks.get(name, "– (optimum-executorch's own .pte, same process)" if name == "optimum-pte" else "")
+        lines.append(f"| {name} | {what} | {fmt(row['decode_tokens_per_s'])} | {fmt(row['ms_per_token'], 3)} "
+                     f"| {fmt(row['ms_per_token_vs_full'], 3)} | {fmt(row['prefill_tokens_per_s'], 0)} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | |")
+    for export in data.get("exports", []):
+        if export["returncode"] != 0:
+            lines.append(f"| {export['variant']} | export failed (bench/results/tmp/logs) | | | | |")
+    lines += ["", "The programs without a part compute wrong tokens on purpose: they are only timed, to show what "
+                  "the step would cost without that part (bench/breakdown.py)."]
+    return lines
+
+
 def write_all(results: Path) -> None:
     lines = ["# Lowerbench benchmark results", "",
              "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
-    for name, render in (("decode", decode_table), ("export", export_table), ("scaling", scaling_table)):
+    for name, render in (("decode", decode_table), ("export", export_table), ("scaling", scaling_table),
+                         ("breakdown", breakdown_table)):
         path = results / f"{name}.json"
         if not path.is_file():
             lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]

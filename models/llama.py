@@ -130,9 +130,8 @@ class Attention(nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         if self.attention == "custom":
-            torch.ops.llama.update_cache(k, self.k_cache, start_pos)
-            torch.ops.llama.update_cache(v, self.v_cache, start_pos)
-            out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start_pos, None, 0.0, True)
+            self.write_cache_custom(k, v, start_pos)
+            out = self.attend_cache_custom(q, start_pos)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if self.attention == "sdpa-onehot":
@@ -160,6 +159,16 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             out = out.transpose(1, 2)
         return self.o_proj(out.reshape(bsz, -1, self.n_heads * self.head_dim))
+
+    # The two steps of the XNNPACK path that run outside the delegate, as methods of their own so
+    # bench/breakdown.py can time the program without each of them.
+    def write_cache_custom(self, k, v, start_pos) -> None:
+        torch.ops.llama.update_cache(k, self.k_cache, start_pos)
+        torch.ops.llama.update_cache(v, self.v_cache, start_pos)
+
+    def attend_cache_custom(self, q, start_pos) -> torch.Tensor:
+        # attends to cache rows 0 .. start_pos + T only, causally
+        return torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start_pos, None, 0.0, True)
 
 
 class DecoderLayer(nn.Module):

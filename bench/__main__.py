@@ -71,16 +71,20 @@ def optimum_available() -> str | None:
     return None
 
 
-def optimum_pte(hf: Path, log_dir: Path) -> Path | None:
-    """The optimum .pte for the decode comparison: the one the export phase made, or a fresh export."""
+def optimum_pte(hf: Path, log_dir: Path) -> tuple[Path | None, str | None]:
+    """(the optimum .pte for a decode comparison, or None and why not): the one the export phase made, or a
+    fresh export."""
     found = sorted(TMP.glob("optimum-export-*/model.pte"))
     if found:
-        return found[0]
-    if optimum_available():
-        return None
+        return found[0], None
+    why_not = optimum_available()
+    if why_not:
+        return None, why_not
     out = TMP / "optimum-export-0"
     record = run_measured(optimum_export_cmd(hf, out), log_dir / "optimum-export-0.log", cwd=ROOT)
-    return out / "model.pte" if record["returncode"] == 0 else None
+    if record["returncode"] != 0:
+        return None, "optimum export failed (see bench/results/tmp/logs)"
+    return out / "model.pte", None
 
 
 def lowerbench_pte(hf: Path, log_dir: Path) -> Path | None:
@@ -110,11 +114,11 @@ def phase_decode(args, hf: Path) -> dict:
         skipped["llama.cpp"] = "llama-cpp-python is not installed; run `bash bench/setup.sh`"
     engines["hf-eager"] = [PY, "-m", "bench.decode", "hf-eager", *common]
     if wanted("optimum-pte"):
-        opte = optimum_pte(hf, log_dir)
+        opte, why_not = optimum_pte(hf, log_dir)
         if opte is not None:
             engines["optimum-pte"] = [PY, "-m", "bench.decode", "optimum-pte", "--pte", str(opte), *common]
         else:
-            skipped["optimum-pte"] = optimum_available() or "optimum export failed (see bench/results/tmp/logs)"
+            skipped["optimum-pte"] = why_not
     for name in list(engines):
         if name in args.skip or (args.peers and name not in args.peers):
             engines.pop(name)
@@ -253,12 +257,11 @@ def phase_breakdown(args, hf: Path) -> dict:
             specs.append(f"{variant}={pte}")
         _progress(f"breakdown export {variant}: rc {record['returncode']}, {record['wall_s']} s")
     skipped = {}
-    opte = optimum_pte(hf, log_dir) if "optimum-pte" not in args.skip else None
+    opte, why_not = optimum_pte(hf, log_dir) if "optimum-pte" not in args.skip else (None, "skipped with --skip")
     if opte is not None:
         specs.append(f"optimum-pte={opte}:all")
     else:
-        skipped["optimum-pte"] = "skipped with --skip" if "optimum-pte" in args.skip else (
-            optimum_available() or "optimum export failed (see bench/results/tmp/logs)")
+        skipped["optimum-pte"] = why_not
     # In one process the programs loaded first decode slower (here Lowerbench's .pte ran 1.10-1.15x
     # optimum's when loaded before it, 1.21-1.29x when loaded after), so the timing runs once per rotation
     # of the load order and every program's figure is the median over all rotations' rounds.

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-
-import torch
 
 from recipes import generate as gen
 
@@ -71,26 +68,17 @@ def export_variant(hf: str, variant: str, out: str, max_seq_len: int) -> dict:
             "timings_s": {k: round(v, 3) for k, v in timings.items()}}
 
 
-def _engine_step(pte: str, positions: str):
-    from recipes.xnnpack import _RUNTIME_IMPORTS
-
-    step = gen.runtime_step(gen.load_runtime_method(pte, _RUNTIME_IMPORTS))
-    if positions == "start":
-        return step
-    return lambda tokens, input_pos: step(tokens, torch.arange(int(input_pos[0]), int(input_pos[0]) + tokens.shape[1]))
-
-
 def time_engines(hf: str, specs: list[str], rounds: int, new_tokens: int, threads: int) -> dict:
     """Every engine loaded once; each round runs one greedy generation per engine, the order reversed
     every other round, so a slow spell of the machine falls on all of them alike."""
-    from bench.decode import _NeverStops, load_tokenizer, set_runtime_threads, MAX_SEQ_LEN
+    from bench.decode import MAX_SEQ_LEN, _NeverStops, load_tokenizer, runtime_engine_step, set_runtime_threads
 
     tokenizer = _NeverStops(load_tokenizer(hf))
     engines = []
     for spec in specs:
         name, _, path = spec.partition("=")
         positions = "all" if path.endswith(":all") else "start"
-        engines.append((name, _engine_step(path.removesuffix(":all"), positions)))
+        engines.append((name, runtime_engine_step(path.removesuffix(":all"), positions)))
     set_runtime_threads(threads)
     decode = {name: [] for name, _ in engines}
     prefill = {name: [] for name, _ in engines}
@@ -101,9 +89,8 @@ def time_engines(hf: str, specs: list[str], rounds: int, new_tokens: int, thread
                 decode[name].append(result.decode_tokens_per_s)
                 prefill[name].append(result.prefill_tokens_per_s)
     return {"rounds": rounds, "new_tokens": new_tokens, "threads": threads,
-            "engines": {name: {"decode_tokens_per_s": decode[name], "prefill_tokens_per_s": prefill[name],
-                               "decode_median": statistics.median(decode[name]),
-                               "prefill_median": statistics.median(prefill[name])} for name, _ in engines}}
+            "engines": {name: {"decode_tokens_per_s": decode[name], "prefill_tokens_per_s": prefill[name]}
+                        for name, _ in engines}}
 
 
 def main() -> None:

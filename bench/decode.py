@@ -43,21 +43,26 @@ def set_runtime_threads(threads: int) -> None:
     _unsafe_reset_threadpool(threads)
 
 
-def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str) -> dict:
-    """positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
+def runtime_engine_step(pte: str, positions: str):
+    """The .pte's forward on executorch.runtime as generate()'s step(tokens, input_pos[1]).
+    positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
     forward(input_ids, cache_position[T])."""
     from recipes.xnnpack import _RUNTIME_IMPORTS
 
-    loaded = gen.load_runtime_method(pte, _RUNTIME_IMPORTS)
+    step = gen.runtime_step(gen.load_runtime_method(pte, _RUNTIME_IMPORTS))
+    if positions == "start":
+        return step
+
+    def all_positions(tokens, input_pos):
+        start = int(input_pos[0])
+        return step(tokens, torch.arange(start, start + tokens.shape[1], dtype=torch.long))
+
+    return all_positions
+
+
+def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str) -> dict:
+    step = runtime_engine_step(pte, positions)
     set_runtime_threads(threads)
-    step = gen.runtime_step(loaded)
-    if positions == "all":
-        plain = step
-
-        def step(tokens, input_pos):
-            start = int(input_pos[0])
-            return plain(tokens, torch.arange(start, start + tokens.shape[1], dtype=torch.long))
-
     cpu = []
     timed = step
 

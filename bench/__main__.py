@@ -123,10 +123,12 @@ def phase_decode(args, hf: Path) -> dict:
         if name in args.skip or (args.peers and name not in args.peers):
             engines.pop(name)
     if args.threads > 1 and engines.get("lowerbench-pte"):
-        # The same .pte on one thread: how much a second core buys says whether decode is bound by compute
-        # (close to 2x) or by reading the weights from memory (far below 2x). Not optimum's .pte: on one
-        # thread it aborts in executorch.runtime ("double free or corruption"), in 3 of 3 runs here.
+        # The same .pte on one thread: how much a second core buys. Not optimum's .pte: on one thread it
+        # aborts in executorch.runtime ("double free or corruption"), in 3 of 3 runs here.
         engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
+    if engines:
+        # The memory-bound ceiling, measured in turn with the engines so it sees the same machine state.
+        engines[table.MEMORY_READ] = [PY, "-m", "bench.memory", "--hf", str(hf), "--threads", str(args.threads)]
     for name in args.skip:
         skipped.setdefault(name, "skipped with --skip")
     runs = []
@@ -137,7 +139,10 @@ def phase_decode(args, hf: Path) -> dict:
             record = run_measured(cmd, log_dir / f"decode-{name}-{i}.log", cwd=ROOT)
             record.update(engine=name, run=i)
             runs.append(record)
-            _progress(f"decode {name} run {i}: {(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
+            result = record["result"] or {}
+            figure = (f"{result.get('read_gb_per_s')} GB/s" if name == table.MEMORY_READ
+                      else f"{result.get('decode_tokens_per_s')} tok/s")
+            _progress(f"decode {name} run {i}: {figure}")
     return {"skipped": skipped, "runs": runs,
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
                          "greedy": True, "eos_ignored": True}}
@@ -147,6 +152,11 @@ def summarize_decode(data: dict) -> dict:
     summary = {}
     for name in dict.fromkeys(r["engine"] for r in data["runs"]):
         ok = [r["result"] for r in data["runs"] if r["engine"] == name and r["returncode"] == 0 and r["result"]]
+        if name == table.MEMORY_READ:
+            summary[name] = {"runs": len(ok), "read_gb_per_s": median([r["read_gb_per_s"] for r in ok]),
+                             "decode_weight_mb_per_token": ok[0]["decode_weight_mb_per_token"] if ok else None,
+                             "memory_bound_tokens_per_s": median([r["memory_bound_tokens_per_s"] for r in ok])}
+            continue
         summary[name] = {
             "runs": len(ok),
             "prefill_tokens_per_s": median([r["prefill_tokens_per_s"] for r in ok]),

@@ -30,6 +30,8 @@ def _meta_line(meta: dict, how: str | None = None) -> str:
 
 
 ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
+MEMORY_READ = "memory-read"  # bench/memory.py: the machine's read speed, measured in turn with the engines
+TARGET_SHARE_OF_MEMORY_BOUND = 0.70  # the aim for decode against the memory-bound ceiling
 
 
 def decode_table(data: dict) -> list[str]:
@@ -42,7 +44,10 @@ def decode_table(data: dict) -> list[str]:
              "| prefill tok/CPU-s | decode tok/CPU-s | Lowerbench ÷ engine (decode, per CPU-s) | runs |",
              "|---|---|---|---|---|---|---|---|---|"]
     targets = {"llama.cpp": TARGET_DECODE_VS_LLAMA_CPP, "optimum-pte": TARGET_DECODE_VS_OPTIMUM}
+    memory = engines.get(MEMORY_READ)
     for name, row in engines.items():
+        if name == MEMORY_READ:
+            continue
         target = f"≥ {targets[name]}×" if name in targets else ""
         rel = "" if name == "lowerbench-pte" else ratio(lb.get("decode_tokens_per_s"), row["decode_tokens_per_s"])
         rel_cpu = "" if name == "lowerbench-pte" else ratio(lb.get("decode_tokens_per_cpu_s"), row.get("decode_tokens_per_cpu_s"))
@@ -56,8 +61,18 @@ def decode_table(data: dict) -> list[str]:
     one = engines.get(ONE_THREAD_PROBE, {}).get("decode_tokens_per_s")
     many = lb.get("decode_tokens_per_s")
     if one and many:
-        lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}"
-                  + f" ({s['threads']}× would mean bound by compute; far less, bound by reading the weights from memory)."]
+        lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}."]
+    if memory and memory.get("memory_bound_tokens_per_s"):
+        bound = memory["memory_bound_tokens_per_s"]
+        lines += ["", f"Memory-bound ceiling: this machine read {fmt(memory['read_gb_per_s'])} GB/s on {s['threads']} "
+                      f"threads (bench/memory.py, median of {memory['runs']} runs in turn with the engines); one decode "
+                      f"step reads {fmt(memory['decode_weight_mb_per_token'])} MB of int4 g32 weights, so no engine "
+                      f"can decode faster than {fmt(bound)} tok/s here."]
+        if many:
+            share = many / bound
+            verdict = "met" if share >= TARGET_SHARE_OF_MEMORY_BOUND else "missed"
+            lines.append(f"lowerbench-pte decodes at {share:.0%} of it (aim ≥ {TARGET_SHARE_OF_MEMORY_BOUND:.0%}: "
+                         f"{verdict}); it reads its weights at {fmt(many * memory['decode_weight_mb_per_token'] / 1000)} GB/s.")
     return lines
 
 

@@ -128,7 +128,7 @@ def phase_decode(args, hf: Path) -> dict:
         engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
     if engines:
         # The memory-bound ceiling, measured in turn with the engines so it sees the same machine state.
-        engines[table.MEMORY_READ] = [PY, "-m", "bench.memory", "--hf", str(hf), "--threads", str(args.threads)]
+        engines[table.MEMORY_READ] = [PY, "-m", "bench.memory", "--threads", str(args.threads)]
     for name in args.skip:
         skipped.setdefault(name, "skipped with --skip")
     runs = []
@@ -143,9 +143,12 @@ def phase_decode(args, hf: Path) -> dict:
             figure = (f"{result.get('read_gb_per_s')} GB/s" if name == table.MEMORY_READ
                       else f"{result.get('decode_tokens_per_s')} tok/s")
             _progress(f"decode {name} run {i}: {figure}")
+    from bench.memory import decode_weight_bytes_per_token
+
     return {"skipped": skipped, "runs": runs,
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
-                         "greedy": True, "eos_ignored": True}}
+                         "greedy": True, "eos_ignored": True,
+                         "decode_weight_mb_per_token": round(decode_weight_bytes_per_token(hf) / 1e6, 2)}}
 
 
 def summarize_decode(data: dict) -> dict:
@@ -153,9 +156,7 @@ def summarize_decode(data: dict) -> dict:
     for name in dict.fromkeys(r["engine"] for r in data["runs"]):
         ok = [r["result"] for r in data["runs"] if r["engine"] == name and r["returncode"] == 0 and r["result"]]
         if name == table.MEMORY_READ:
-            summary[name] = {"runs": len(ok), "read_gb_per_s": median([r["read_gb_per_s"] for r in ok]),
-                             "decode_weight_mb_per_token": ok[0]["decode_weight_mb_per_token"] if ok else None,
-                             "memory_bound_tokens_per_s": median([r["memory_bound_tokens_per_s"] for r in ok])}
+            summary[name] = {"runs": len(ok), "read_gb_per_s": median([r["read_gb_per_s"] for r in ok])}
             continue
         summary[name] = {
             "runs": len(ok),

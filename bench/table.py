@@ -62,17 +62,18 @@ def decode_table(data: dict) -> list[str]:
     many = lb.get("decode_tokens_per_s")
     if one and many:
         lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}."]
-    if memory and memory.get("memory_bound_tokens_per_s"):
-        bound = memory["memory_bound_tokens_per_s"]
+    weight_mb = s.get("decode_weight_mb_per_token")
+    if memory and memory.get("read_gb_per_s") and weight_mb:
+        bound = memory["read_gb_per_s"] * 1000 / weight_mb
         lines += ["", f"Memory-bound ceiling: this machine read {fmt(memory['read_gb_per_s'])} GB/s on {s['threads']} "
                       f"threads (bench/memory.py, median of {memory['runs']} runs in turn with the engines); one decode "
-                      f"step reads {fmt(memory['decode_weight_mb_per_token'])} MB of int4 g32 weights, so no engine "
-                      f"can decode faster than {fmt(bound)} tok/s here."]
+                      f"step reads {fmt(weight_mb)} MB of int4 g32 weights, so no engine can decode faster than "
+                      f"{fmt(bound)} tok/s here."]
         if many:
             share = many / bound
             verdict = "met" if share >= TARGET_SHARE_OF_MEMORY_BOUND else "missed"
             lines.append(f"lowerbench-pte decodes at {share:.0%} of it (aim ≥ {TARGET_SHARE_OF_MEMORY_BOUND:.0%}: "
-                         f"{verdict}); it reads its weights at {fmt(many * memory['decode_weight_mb_per_token'] / 1000)} GB/s.")
+                         f"{verdict}); it reads its weights at {fmt(many * weight_mb / 1000)} GB/s.")
     return lines
 
 

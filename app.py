@@ -23,6 +23,7 @@ import traceback
 import uuid
 from pathlib import Path
 
+import thread_policy
 from errors import UserFacingError
 
 ROOT = Path(__file__).resolve().parent
@@ -407,6 +408,7 @@ def build_app():
 
 
 def main(argv: list[str] | None = None) -> None:
+    thread_policy.limit_openmp_default()  # before anything loads torch; the job processes inherit it
     parser = argparse.ArgumentParser(description="Lowerbench web app")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

@@ -126,6 +126,9 @@ def phase_decode(args, hf: Path) -> dict:
         # The same .pte on one thread: how much a second core buys. Not optimum's .pte: on one thread it
         # aborts in executorch.runtime ("double free or corruption"), in 3 of 3 runs here.
         engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
+    if engines.get("lowerbench-pte"):
+        # The same .pte without Lowerbench's thread policy (thread_policy.py): what the policy buys.
+        engines[table.STOCK_THREADS_PROBE] = [*lowerbench_cmd, *common, "--stock-threads"]
     if engines:
         # The memory-bound ceiling, measured in turn with the engines so it sees the same machine state.
         engines[table.MEMORY_READ] = [PY, "-m", "bench.memory", "--threads", str(args.threads)]

@@ -14,8 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from recipes import generate as gen
+import thread_policy
+
+# The timing runs in a Lowerbench process (thread_policy.py), set before torch loads; as in bench/decode.py.
+if __name__ == "__main__" and sys.argv[1:2] == ["time"]:
+    thread_policy.limit_openmp_default()
+
+from recipes import generate as gen  # noqa: E402
 
 
 def _no_sdpa() -> None:

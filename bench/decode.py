@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
-import torch
+import thread_policy
 
-from recipes import generate as gen
+# OpenMP reads its default when torch loads, so the policy (thread_policy.py) is applied here, before the
+# import below. Both .pte engines run in a Lowerbench process: the same runtime loop for both. The other
+# engines keep their own defaults. --stock-threads: Lowerbench's .pte without the policy, the baseline
+# that shows what the policy buys.
+if __name__ == "__main__" and sys.argv[1:2] in (["lowerbench-pte"], ["optimum-pte"]) and "--stock-threads" not in sys.argv:
+    thread_policy.limit_openmp_default()
+
+import torch  # noqa: E402
+
+from recipes import generate as gen  # noqa: E402
 
 MAX_SEQ_LEN = 512
 
@@ -43,13 +53,19 @@ def set_runtime_threads(threads: int) -> None:
     _unsafe_reset_threadpool(threads)
 
 
-def runtime_engine_step(pte: str, positions: str):
+def runtime_engine_step(pte: str, positions: str, stock_threads: bool = False):
     """The .pte's forward on executorch.runtime as generate()'s step(tokens, input_pos[1]).
     positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
-    forward(input_ids, cache_position[T])."""
+    forward(input_ids, cache_position[T]). stock_threads: plain execute, without the thread policy's
+    per-call setting."""
     from recipes.xnnpack import _RUNTIME_IMPORTS
 
-    step = gen.runtime_step(gen.load_runtime_method(pte, _RUNTIME_IMPORTS))
+    loaded = gen.load_runtime_method(pte, _RUNTIME_IMPORTS)
+    if stock_threads:
+        method = loaded[1]
+        step = lambda tokens, input_pos: method.execute([tokens, input_pos])[0]  # noqa: E731
+    else:
+        step = gen.runtime_step(loaded)
     if positions == "start":
         return step
 
@@ -60,8 +76,9 @@ def runtime_engine_step(pte: str, positions: str):
     return all_positions
 
 
-def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str) -> dict:
-    step = runtime_engine_step(pte, positions)
+def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str,
+                   stock_threads: bool = False) -> dict:
+    step = runtime_engine_step(pte, positions, stock_threads)
     set_runtime_threads(threads)
     cpu = []
     timed = step
@@ -155,10 +172,13 @@ def main() -> None:
     parser.add_argument("--prompt", default=gen.DEFAULT_PROMPT)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--stock-threads", action="store_true",
+                        help="a .pte engine without Lowerbench's thread policy (the baseline for what it buys)")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.hf)
     if args.engine == "lowerbench-pte":
-        result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "start")
+        result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "start",
+                                args.stock_threads)
     elif args.engine == "optimum-pte":
         result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "all")
     elif args.engine == "llama.cpp":
@@ -167,6 +187,7 @@ def main() -> None:
         result = hf_eager(args.hf, tokenizer, args.prompt, args.new_tokens, args.threads)
     result["engine"] = args.engine
     result["threads"] = args.threads
+    result["thread_policy"] = thread_policy.policy_active()
     print(json.dumps(result), flush=True)
 
 

@@ -30,6 +30,7 @@ def _meta_line(meta: dict, how: str | None = None) -> str:
 
 
 ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
+STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without thread_policy.py
 MEMORY_READ = "memory-read"  # bench/memory.py: the machine's read speed, measured in turn with the engines
 TARGET_SHARE_OF_MEMORY_BOUND = 0.70  # the aim for decode against the memory-bound ceiling
 
@@ -62,6 +63,11 @@ def decode_table(data: dict) -> list[str]:
     many = lb.get("decode_tokens_per_s")
     if one and many:
         lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}."]
+    stock = engines.get(STOCK_THREADS_PROBE, {})
+    if stock.get("prefill_tokens_per_s") and lb.get("prefill_tokens_per_s"):
+        lines += ["", f"Lowerbench's thread policy (thread_policy.py), same .pte with ÷ without it: prefill "
+                      f"{ratio(lb['prefill_tokens_per_s'], stock['prefill_tokens_per_s'])}, decode "
+                      f"{ratio(lb.get('decode_tokens_per_s'), stock.get('decode_tokens_per_s'))}."]
     weight_mb = s.get("decode_weight_mb_per_token")
     if memory and memory.get("read_gb_per_s") and weight_mb:
         bound = memory["read_gb_per_s"] * 1000 / weight_mb

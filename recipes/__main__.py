@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import thread_policy
 from errors import UserFacingError
 
 
@@ -45,6 +46,7 @@ def list_recipes() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    thread_policy.limit_openmp_default()  # before anything loads torch
     args = _parser().parse_args(argv)
     if args.command == "list":
         print(list_recipes())

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+import thread_policy
 from errors import UserFacingError
 
 from models.prompting import prompt_token_ids, stop_token_ids
@@ -171,6 +172,7 @@ def runtime_step(loaded) -> Callable:
     _program, method = loaded
 
     def step(tokens, input_pos):
-        return method.execute([tokens, input_pos])[0]
+        with thread_policy.runtime_threads():
+            return method.execute([tokens, input_pos])[0]
 
     return step

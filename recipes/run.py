@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+import thread_policy
 from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
@@ -131,6 +132,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     from quant.compatibility import check_recipe_name
     from recipes.registry import RECIPES, load_backends
 
+    thread_policy.torch_threads()
     load_backends()
     for name in request.recipes:
         check_recipe_name(name, RECIPES)
@@ -247,6 +249,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "recipe": {"name": recipe.name, "backend": recipe.backend, "quantization": recipe.quantization,
                    "options": recipe_options(recipe, request), "max_seq_len": request.max_seq_len},
         "versions": versions(),
+        "threads": thread_policy.describe(),
         "timings_s": timings,
         "pte": None,
         "delegation": None,

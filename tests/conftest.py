@@ -2,6 +2,13 @@ import shutil
 
 import pytest
 
+import thread_policy
+
+# The suite runs under the thread policy Lowerbench's own processes use (thread_policy.py): OpenMP's
+# default must be set before anything loads torch, then torch's own threads go back to one per core.
+thread_policy.limit_openmp_default()
+thread_policy.torch_threads()
+
 GOOD_TOKEN = "hf_goodTokenWithGatedAccess0123"
 OTHER_TOKEN = "hf_validTokenWithoutGatedAccess9"
 BAD_TOKEN = "hf_expiredOrRevokedToken4567890"

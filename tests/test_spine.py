@@ -76,6 +76,10 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert report["model"]["source"] == "local-folder" and report["model"]["architecture"] == "LlamaForCausalLM"
     assert set(report["versions"]) >= {"torch", "executorch", "torchao", "transformers"}
     assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}
+    import thread_policy
+
+    assert report["threads"] == {"openmp_default": "1", "openmp_default_set_by": "lowerbench",
+                                 "torch_intra_op": thread_policy.physical_cores(), "torch_during_runtime_calls": 1}
     engines = [g["engine"] for g in report["generations"]]
     assert engines == ["eager-fp32", "executorch-runtime"]
     assert report["generations"][1]["decode_tokens_per_s"] >= 0

@@ -15,8 +15,11 @@ and the fp32 eager reference's decode 10-15 % faster too (its OpenMP threads no 
 3. `runtime_threads()`, around every runtime call: the calling thread also runs runtime work (and its BLAS
    calls), so its torch/OpenMP threads are 1 for the call. Without this step the default alone makes decode
    ~40 % slower: the calling thread's BLAS then starts a team of 2 that spins against the runtime's worker.
+   Step 3 needs step 1: with OpenMP's stock default, setting the calling thread alone to 1 made prefill
+   slower than leaving it (480-520 against 870-890 tok/s), so then it does nothing.
 
-A user's own OMP_NUM_THREADS is left alone: then only step 3 applies.
+A user's own OMP_NUM_THREADS is left alone (step 3 then applies only if it is 1). So is a process that loaded
+torch before step 1 (a script importing Lowerbench's functions): it runs with torch's stock threads.
 """
 from __future__ import annotations
 
@@ -61,10 +64,18 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+def openmp_default_is_one() -> bool:
+    return os.environ.get("OMP_NUM_THREADS") == "1"
+
+
 @contextmanager
 def runtime_threads():
-    """torch/OpenMP threads of the calling thread at 1 while it runs the ExecuTorch runtime (the runtime
-    parallelises with its own thread pool), restored after. A pair of calls costs ~0.2 µs."""
+    """When OpenMP's default is 1: torch/OpenMP threads of the calling thread at 1 while it runs the
+    ExecuTorch runtime (which parallelises with its own thread pool), restored after; a pair of calls costs
+    ~0.2 µs. Otherwise nothing (see step 3 above)."""
+    if not openmp_default_is_one():
+        yield
+        return
     import torch
 
     previous = torch.get_num_threads()
@@ -82,4 +93,5 @@ def describe() -> dict:
     user_set = "OMP_NUM_THREADS" in os.environ and not policy_active()
     return {"openmp_default": os.environ.get("OMP_NUM_THREADS"),
             "openmp_default_set_by": "lowerbench" if policy_active() else ("user" if user_set else None),
-            "torch_intra_op": torch.get_num_threads(), "torch_during_runtime_calls": 1}
+            "torch_intra_op": torch.get_num_threads(),
+            "torch_during_runtime_calls": 1 if openmp_default_is_one() else torch.get_num_threads()}

@@ -91,6 +91,15 @@ def test_runtime_calls_run_with_one_torch_thread_and_restore_it():
     assert torch.get_num_threads() == before
 
 
+def test_runtime_calls_keep_torch_threads_without_a_default_of_one(monkeypatch):
+    # with OpenMP's stock default, setting the calling thread alone to 1 measured slower: leave it
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    before = torch.get_num_threads()
+    with thread_policy.runtime_threads():
+        assert torch.get_num_threads() == before
+    assert thread_policy.describe()["torch_during_runtime_calls"] == before
+
+
 def test_the_suite_itself_runs_under_the_policy():
     assert thread_policy.policy_active() and os.environ["OMP_NUM_THREADS"] == "1"
     assert torch.get_num_threads() == thread_policy.physical_cores()

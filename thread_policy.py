@@ -5,7 +5,7 @@ pthreadpool threads. Those threads are outside any OpenMP region, so each BLAS c
 team sized by the process default, one thread per core. On 2 cores the runtime's 2 threads and those
 spinning OpenMP teams then fight over the cores. Measured on the built-in model (2 cores, one process each):
 runtime prefill 1,100-2,200 tok/s under this policy against 460-820 without it, runtime decode the same,
-and the fp32 eager reference's decode 10-15 % faster too (its OpenMP threads no longer spin against the runtime's).
+and the fp32 eager reference's decode in the same processes 10-15 % faster too.
 
 1. `limit_openmp_default()`, first thing in a process, before anything imports torch: OpenMP's process
    default becomes 1 thread (OpenMP reads it once, when torch loads it). Child processes inherit it.

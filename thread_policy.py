@@ -45,7 +45,7 @@ def limit_openmp_default() -> bool:
 
 
 def policy_active() -> bool:
-    return os.environ.get(POLICY_MARK) == "1" and os.environ.get("OMP_NUM_THREADS") == "1"
+    return os.environ.get(POLICY_MARK) == "1" and openmp_default_is_one()
 
 
 def physical_cores() -> int:

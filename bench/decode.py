@@ -53,19 +53,14 @@ def set_runtime_threads(threads: int) -> None:
     _unsafe_reset_threadpool(threads)
 
 
-def runtime_engine_step(pte: str, positions: str, stock_threads: bool = False):
+def runtime_engine_step(pte: str, positions: str):
     """The .pte's forward on executorch.runtime as generate()'s step(tokens, input_pos[1]).
     positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
-    forward(input_ids, cache_position[T]). stock_threads: plain execute, without the thread policy's
-    per-call setting."""
+    forward(input_ids, cache_position[T]). Without the policy's OpenMP default (--stock-threads) the
+    step's per-call thread setting does nothing, so the same step serves both."""
     from recipes.xnnpack import _RUNTIME_IMPORTS
 
-    loaded = gen.load_runtime_method(pte, _RUNTIME_IMPORTS)
-    if stock_threads:
-        method = loaded[1]
-        step = lambda tokens, input_pos: method.execute([tokens, input_pos])[0]  # noqa: E731
-    else:
-        step = gen.runtime_step(loaded)
+    step = gen.runtime_step(gen.load_runtime_method(pte, _RUNTIME_IMPORTS))
     if positions == "start":
         return step
 
@@ -76,9 +71,8 @@ def runtime_engine_step(pte: str, positions: str, stock_threads: bool = False):
     return all_positions
 
 
-def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str,
-                   stock_threads: bool = False) -> dict:
-    step = runtime_engine_step(pte, positions, stock_threads)
+def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str) -> dict:
+    step = runtime_engine_step(pte, positions)
     set_runtime_threads(threads)
     cpu = []
     timed = step
@@ -177,8 +171,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.hf)
     if args.engine == "lowerbench-pte":
-        result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "start",
-                                args.stock_threads)
+        result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "start")
     elif args.engine == "optimum-pte":
         result = executorch_pte(args.pte, tokenizer, args.prompt, args.new_tokens, args.threads, "all")
     elif args.engine == "llama.cpp":

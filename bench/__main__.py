@@ -279,7 +279,7 @@ def phase_breakdown(args, hf: Path) -> dict:
     # In one process the programs loaded first decode slower (here Lowerbench's .pte ran 1.10-1.15x
     # optimum's when loaded before it, 1.21-1.29x when loaded after), so the timing runs once per rotation
     # of the load order and every program's figure is the median over all rotations' rounds.
-    timings = []
+    timings, floors = [], []
     for shift in range(len(specs)):
         order = [*specs[shift:], *specs[:shift]]
         cmd = [PY, "-m", "bench.breakdown", "time", "--hf", str(hf), "--rounds", str(args.runs),
@@ -288,7 +288,15 @@ def phase_breakdown(args, hf: Path) -> dict:
         timings.append({"load_order": [spec.split("=")[0] for spec in order],
                         "returncode": record["returncode"], "result": record["result"]})
         _progress(f"breakdown timing, load order {shift}: rc {record['returncode']}, {record['wall_s']} s")
-    return {"exports": exports, "timings": timings, "skipped": skipped, "runs": [],
+        # What XNNPACK's kernels allow (bench/floor.py), in turn with the timings so it sees the same machine.
+        cmd = [PY, "-m", "bench.floor", "--rounds", str(args.runs), "--threads", str(args.threads)]
+        record = run_measured(cmd, log_dir / f"breakdown-floor-{shift}.log", cwd=ROOT)
+        floors.append({"returncode": record["returncode"], "result": record["result"]})
+        _progress(f"breakdown kernel floor {shift}: rc {record['returncode']}, {record['wall_s']} s")
+    from bench.memory import decode_weight_bytes_per_token
+
+    return {"exports": exports, "timings": timings, "floors": floors, "skipped": skipped, "runs": [],
+            "decode_weight_bytes_per_token": decode_weight_bytes_per_token(hf),
             "what_each_lacks": {name: lacks for name, (lacks, _ablation) in ABLATIONS.items()},
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
                          "rounds": args.runs}}
@@ -308,7 +316,31 @@ def summarize_breakdown(data: dict) -> dict:
         rows[name] = {"decode_tokens_per_s": round(rate, 1), "ms_per_token": round(ms, 3),
                       "ms_per_token_vs_full": round(ms - full_ms, 3) if full_ms else None,
                       "prefill_tokens_per_s": round(statistics.median(prefill[name]), 1), "rounds": len(decode[name])}
-    return {"engines": rows}
+    return {"engines": rows, "floor": summarize_floor(data, rows)}
+
+
+def summarize_floor(data: dict, engines: dict) -> dict | None:
+    """The full program's step split into the two ExecuTorch kernels both .pte call (custom_sdpa and
+    update_cache, measured by taking each out) and Lowerbench's own part; that part against the floor of
+    XNNPACK's kernels for its delegated work; and what the 1.25x target over optimum's .pte would need."""
+    from bench.floor import floor_ms
+
+    results = [f["result"] for f in data.get("floors", []) if f["returncode"] == 0 and f["result"]]
+    full_export = next((e for e in data.get("exports", []) if e["variant"] == "full" and e.get("delegated_work")), None)
+    if not results or not full_export or not all(engines.get(k) for k in ("full", "no-sdpa", "no-cache-write")):
+        return None
+    keys = ("us_per_linear", "us_per_linear_in_l3", "stream_gb_per_s", "l3_gb_per_s", "us_per_op")
+    costs = {k: median([r[k] for r in results]) for k in keys}
+    ms = {name: row["ms_per_token"] for name, row in engines.items()}
+    shared = (ms["full"] - ms["no-sdpa"]) + (ms["full"] - ms["no-cache-write"])
+    floor = {"costs": costs, "processes": len(results), "work": full_export["delegated_work"],
+             "weight_mb": round(data["decode_weight_bytes_per_token"] / 1e6, 2),
+             "full_ms": ms["full"], "shared_kernels_ms": round(shared, 3), "own_ms": round(ms["full"] - shared, 3),
+             "own_floor_ms": round(floor_ms(costs, data["decode_weight_bytes_per_token"], full_export["delegated_work"]), 3)}
+    if ms.get("optimum-pte"):
+        floor["optimum_ms"] = ms["optimum-pte"]
+        floor["own_ms_for_target"] = round(ms["optimum-pte"] / table.TARGET_DECODE_VS_OPTIMUM - shared, 3)
+    return floor
 
 
 def _progress(message: str) -> None:

@@ -61,6 +61,7 @@ ABLATIONS = {
 
 
 def export_variant(hf: str, variant: str, out: str, max_seq_len: int) -> dict:
+    from bench.floor import delegated_work
     from bench.scaling import export_recipe
     from models.checkpoint import load_folder
     from recipes.lowering import write_atomically
@@ -72,6 +73,7 @@ def export_variant(hf: str, variant: str, out: str, max_seq_len: int) -> dict:
     d = lowered.delegation
     return {"variant": variant, "delegated_subgraphs": d["delegated_subgraphs"], "delegated_nodes": d["delegated_nodes"],
             "non_delegated_nodes": d["non_delegated_nodes"], "pte_bytes": len(lowered.pte),
+            "delegated_work": delegated_work(d),
             "timings_s": {k: round(v, 3) for k, v in timings.items()}}
 
 

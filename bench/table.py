@@ -192,6 +192,29 @@ def breakdown_table(data: dict) -> list[str]:
             lines.append(f"| {export['variant']} | export failed (bench/results/tmp/logs) | | | | |")
     lines += ["", "The programs without a part compute wrong tokens on purpose: they are only timed, to show what "
                   "the step would cost without that part (bench/breakdown.py)."]
+    return lines + _floor_lines(data.get("floor"))
+
+
+def _floor_lines(floor: dict | None) -> list[str]:
+    if not floor:
+        return []
+    c, work = floor["costs"], floor["work"]
+    lines = ["", f"**Against the floor of XNNPACK's kernels** (bench/floor.py, probe programs timed on the runtime, "
+                 f"median of {floor['processes']} processes, in turn with the timings above):",
+             f"- XNNPACK's int4 g32 linear streams weights at {fmt(c['stream_gb_per_s'])} GB/s from memory "
+             f"({fmt(c['l3_gb_per_s'])} GB/s from the L3 cache); every int4 linear costs "
+             f"{fmt(c['us_per_linear'], 2)} µs on top ({fmt(c['us_per_linear_in_l3'], 2)} µs in L3), every other op "
+             f"{fmt(c['us_per_op'], 3)} µs.",
+             f"- The full step, {fmt(floor['full_ms'], 3)} ms = {fmt(floor['shared_kernels_ms'], 3)} ms in the two "
+             f"ExecuTorch kernels optimum's `.pte` calls alike (custom_sdpa and update_cache: the two rows above) + "
+             f"{fmt(floor['own_ms'], 3)} ms of Lowerbench's own part.",
+             f"- Its delegated work, {work['quantized_linears']} int4 linears, {work['other_ops']} other ops and "
+             f"{fmt(floor['weight_mb'])} MB of weights, can cost no less than {fmt(floor['own_floor_ms'], 3)} ms with "
+             f"these kernels: the own part takes {ratio(floor['own_ms'], floor['own_floor_ms'])} the floor's time."]
+    if floor.get("own_ms_for_target") is not None:
+        lines.append(f"- {TARGET_DECODE_VS_OPTIMUM}× optimum's `.pte` ({fmt(floor['optimum_ms'], 3)} ms) would need "
+                     f"the own part at {fmt(floor['own_ms_for_target'], 3)} ms, "
+                     f"{ratio(floor['own_ms_for_target'], floor['own_floor_ms'])} the floor's time.")
     return lines
 
 

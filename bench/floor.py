@@ -1,0 +1,169 @@
+"""What XNNPACK's kernels allow on this machine: the least a decode step's delegated part can cost.
+Prints one JSON line.
+
+    python -m bench.floor [--rounds 30] [--threads 2]
+
+It lowers small probe programs with Lowerbench's own functions (the same quantizer, partitioner and
+lowering as xnnpack-8da4w) and times them on the ExecuTorch runtime, one token at a time, in turn:
+- 400 chained 576x576 int4 g32 linears against 4 linears 576x57600 with the same weight bytes (74.6 MB,
+  twice the L3 of the machines this runs on). The big ones give the rate at which XNNPACK's int4 kernel
+  streams weights; the difference per linear is what every linear costs on top (dynamic quantization of
+  its input, the thread pool's start and join).
+- the same pair at 7.5 MB, which stays in the L3 cache, for comparison;
+- 400 chained elementwise ops against 1: what one small op inside a delegate costs.
+With the counts of a real program (bench/breakdown.py records them) these give its delegated part's
+floor: weight bytes ÷ streaming rate + quantized linears × cost per linear + other ops × cost per op."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import thread_policy
+
+# Timed like every Lowerbench runtime call (thread_policy.py), set before torch loads.
+if __name__ == "__main__":
+    thread_policy.limit_openmp_default()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
+GROUP = 32
+CHAIN = 400
+
+
+class _Elementwise(nn.Module):
+    def __init__(self, ops: int):
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x):
+        for i in range(self.ops):
+            x = x * 1.0001 if i % 2 else x + 0.0001
+        return x
+
+
+class _LinearChain(nn.Module):
+    def __init__(self, count: int):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(count))
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = linear(x)
+        return x
+
+
+class _WideLinears(nn.Module):
+    def __init__(self, count: int, out_features: int):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(HIDDEN, out_features, bias=False) for _ in range(count))
+
+    def forward(self, x):
+        return tuple(linear(x) for linear in self.linears)
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    from bench.memory import INT4_G32_BYTES_PER_WEIGHT
+
+    return int(sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear)) * INT4_G32_BYTES_PER_WEIGHT)
+
+
+def _lower(module: nn.Module, quantize: bool):
+    """module -> loaded runtime method, through the xnnpack-8da4w path: dynamic token dimension, as the
+    real program has (so XNNPACK reshapes on every call there too)."""
+    from quant.schemes import quantize_linears_8da4w
+    from recipes.generate import load_runtime_method
+    from recipes.lowering import lower_to_pte
+    from recipes.xnnpack import xnnpack_partitioners
+
+    module.eval()
+    if quantize:
+        quantize_linears_8da4w(module, GROUP)
+    tokens = torch.export.Dim("seq_len", min=1, max=512)
+    with torch.no_grad():
+        program = torch.export.export(module, (torch.randn(1, 2, HIDDEN),), dynamic_shapes=({1: tokens},), strict=False)
+    lowered = lower_to_pte(program, xnnpack_partitioners({}))
+    if lowered.delegation["non_delegated_nodes"] > len(program.graph_signature.user_outputs) + 1:
+        raise RuntimeError(f"probe {type(module).__name__} left work outside XNNPACK: {lowered.delegation}")
+    return load_runtime_method(lowered.pte)
+
+
+def probes() -> dict[str, tuple[nn.Module, bool]]:
+    torch.manual_seed(0)
+    return {
+        "chain_big": (_LinearChain(CHAIN), True),
+        "wide_big": (_WideLinears(4, CHAIN * HIDDEN // 4), True),
+        "chain_l3": (_LinearChain(CHAIN // 10), True),
+        "wide_l3": (_WideLinears(4, CHAIN * HIDDEN // 40), True),
+        "ops_1": (_Elementwise(1), False),
+        "ops_many": (_Elementwise(CHAIN + 1), False),
+    }
+
+
+def measure(rounds: int, threads: int, calls: int = 20) -> dict:
+    from bench.decode import set_runtime_threads
+
+    built = probes()
+    weight_bytes = {name: _weight_bytes(module) for name, (module, _) in built.items()}
+    methods = {name: _lower(module, quantize) for name, (module, quantize) in built.items()}
+    set_runtime_threads(threads)
+    x = torch.randn(1, 1, HIDDEN) * 0.01
+    ms = {name: [] for name in methods}
+    for i in range(rounds + 1):  # round 0 warms caches and the thread pool; it is not counted
+        for name, (_program, method) in methods.items() if i % 2 else list(methods.items())[::-1]:
+            with thread_policy.runtime_threads():
+                method.execute([x])
+                start = time.perf_counter()
+                for _ in range(calls):
+                    method.execute([x])
+                elapsed = time.perf_counter() - start
+            if i:
+                ms[name].append(elapsed / calls * 1e3)
+    med = {name: statistics.median(values) for name, values in ms.items()}
+    linears_big, linears_l3 = CHAIN - 4, CHAIN // 10 - 4
+    return {
+        "threads": threads, "rounds": rounds, "ms_per_call": {k: round(v, 4) for k, v in med.items()},
+        "weight_mb": {k: round(v / 1e6, 2) for k, v in weight_bytes.items() if v},
+        # Same bytes, CHAIN linears against 4: the difference is the cost of the extra linears.
+        "us_per_linear": round((med["chain_big"] - med["wide_big"]) * 1e3 / linears_big, 3),
+        "us_per_linear_in_l3": round((med["chain_l3"] - med["wide_l3"]) * 1e3 / linears_l3, 3),
+        "stream_gb_per_s": round(weight_bytes["wide_big"] / med["wide_big"] / 1e6, 2),
+        "l3_gb_per_s": round(weight_bytes["wide_l3"] / med["wide_l3"] / 1e6, 2),
+        "us_per_op": round((med["ops_many"] - med["ops_1"]) * 1e3 / CHAIN, 4),
+    }
+
+
+def delegated_work(delegation: dict) -> dict:
+    """A lowered program's delegated work per call, from its delegation table (recipes/delegation.py).
+    torchao quantizes each linear's input on its own, so there is one choose_qparams per quantized linear.
+    Its weights' dequantize folds into the linear and the input's choose_qparams + quantize + dequantize into
+    one convert, which the probes' cost per linear includes. Every other op, an fp32 linear too, counts at
+    the cost of a small elementwise op, so the floor stays a lower bound."""
+    delegated = {row["op"]: row["delegated"] for row in delegation["ops"]}
+    quantized = delegated.get("torchao_choose_qparams_affine_default", 0)
+    folded = sum(delegated.get(op, 0) for op in ("getitem", "torchao_dequantize_affine_default",
+                                                 "torchao_choose_qparams_affine_default",
+                                                 "torchao_quantize_affine_default"))
+    return {"quantized_linears": quantized, "other_ops": delegation["delegated_nodes"] - folded - quantized}
+
+
+def floor_ms(costs: dict, weight_bytes: int, work: dict) -> float:
+    """The least the delegated part of a step can cost with these kernels."""
+    return (weight_bytes / (costs["stream_gb_per_s"] * 1e6) + work["quantized_linears"] * costs["us_per_linear"] / 1e3
+            + work["other_ops"] * costs["us_per_op"] / 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    print(json.dumps(measure(args.rounds, args.threads)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """Lowerbench against its peers, in one run: decode speed, export cost, and export scaling with depth.
 
     python3 -m bench [--runs 3] [--phases decode,export,scaling] [--layers 1,2,4,8,16,30]
-    python3 -m bench --phases breakdown --runs 11   (where a decode step's time goes; not in the default phases)
+    python3 -m bench --phases breakdown --runs 11   (where a decode step's time goes, against the floor of
+                                                     XNNPACK's kernels, bench/floor.py; not a default phase)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.

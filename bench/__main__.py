@@ -330,8 +330,9 @@ def summarize_floor(data: dict, engines: dict) -> dict | None:
     full_export = next((e for e in data.get("exports", []) if e["variant"] == "full" and e.get("delegated_work")), None)
     if not results or not full_export or not all(engines.get(k) for k in ("full", "no-sdpa", "no-cache-write")):
         return None
-    keys = ("us_per_linear", "us_per_linear_in_l3", "stream_gb_per_s", "l3_gb_per_s", "us_per_op")
-    costs = {k: median([r[k] for r in results]) for k in keys}
+    keys = ("us_per_linear", "us_per_linear_in_l3", "stream_gb_per_s", "l3_gb_per_s", "us_per_op", "us_per_norm",
+            "us_per_norm_with_xnnpack_mean")
+    costs = {k: median([r.get(k) for r in results]) for k in keys}
     ms = {name: row["ms_per_token"] for name, row in engines.items()}
     shared = (ms["full"] - ms["no-sdpa"]) + (ms["full"] - ms["no-cache-write"])
     floor = {"costs": costs, "processes": len(results), "work": full_export["delegated_work"],

@@ -10,7 +10,8 @@ lowering as xnnpack-8da4w) and times them on the ExecuTorch runtime, one token a
   streams weights; the difference per linear is what every linear costs on top (dynamic quantization of
   its input, the thread pool's start and join).
 - the same pair at 7.5 MB, which stays in the L3 cache, for comparison;
-- 400 chained elementwise ops against 1: what one small op inside a delegate costs.
+- 400 chained elementwise ops against 1: what one small op inside a delegate costs;
+- 200 chained RMSNorms, Lowerbench's (its mean of squares as a linear) and with XNNPACK's mean instead.
 With the counts of a real program (bench/breakdown.py records them) these give its delegated part's
 floor: weight bytes ÷ streaming rate + quantized linears × cost per linear + other ops × cost per op."""
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn  # noqa: E402
 HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
 GROUP = 32
 CHAIN = 400
+NORMS = 200
 
 
 class _Elementwise(nn.Module):
@@ -64,6 +66,27 @@ class _WideLinears(nn.Module):
 
     def forward(self, x):
         return tuple(linear(x) for linear in self.linears)
+
+
+class _Norms(nn.Module):
+    """Chained RMSNorms over the hidden size: Lowerbench's own (models/llama.py, its mean of squares as a linear)
+    or with XNNPACK's mean over a 4-D view, the form it replaced."""
+
+    def __init__(self, count: int, xnnpack_mean: bool):
+        super().__init__()
+        from models.llama import RMSNorm
+
+        self.norms = nn.ModuleList(RMSNorm(HIDDEN, 1e-5, xnnpack_form=True) for _ in range(count))
+        self.xnnpack_mean = xnnpack_mean
+
+    def forward(self, x):
+        for norm in self.norms:
+            if self.xnnpack_mean:
+                variance = (x * x).unsqueeze(-1).mean(dim=(-2, -1), keepdim=True).view(1, -1, 1)
+                x = norm.weight * (x * torch.rsqrt(variance + norm.eps))
+            else:
+                x = norm(x)
+        return x
 
 
 def _weight_bytes(module: nn.Module) -> int:
@@ -101,6 +124,8 @@ def probes() -> dict[str, tuple[nn.Module, bool]]:
         "wide_l3": (_WideLinears(4, CHAIN * HIDDEN // 40), True),
         "ops_1": (_Elementwise(1), False),
         "ops_many": (_Elementwise(CHAIN + 1), False),
+        "norms_linear": (_Norms(NORMS, xnnpack_mean=False), False),
+        "norms_mean": (_Norms(NORMS, xnnpack_mean=True), False),
     }
 
 
@@ -134,6 +159,8 @@ def measure(rounds: int, threads: int, calls: int = 20) -> dict:
         "stream_gb_per_s": round(weight_bytes["wide_big"] / med["wide_big"] / 1e6, 2),
         "l3_gb_per_s": round(weight_bytes["wide_l3"] / med["wide_l3"] / 1e6, 2),
         "us_per_op": round((med["ops_many"] - med["ops_1"]) * 1e3 / CHAIN, 4),
+        "us_per_norm": round((med["norms_linear"] - med["ops_1"]) * 1e3 / NORMS, 3),
+        "us_per_norm_with_xnnpack_mean": round((med["norms_mean"] - med["ops_1"]) * 1e3 / NORMS, 3),
     }
 
 

@@ -204,7 +204,9 @@ def _floor_lines(floor: dict | None) -> list[str]:
              f"- XNNPACK's int4 g32 linear streams weights at {fmt(c['stream_gb_per_s'])} GB/s from memory "
              f"({fmt(c['l3_gb_per_s'])} GB/s from the L3 cache); every int4 linear costs "
              f"{fmt(c['us_per_linear'], 2)} µs on top ({fmt(c['us_per_linear_in_l3'], 2)} µs in L3), every other op "
-             f"{fmt(c['us_per_op'], 3)} µs.",
+             f"{fmt(c['us_per_op'], 3)} µs"
+             + (f"; an RMSNorm over the hidden size {fmt(c['us_per_norm'], 2)} µs ({fmt(c['us_per_norm_with_xnnpack_mean'], 2)} "
+                f"µs with XNNPACK's mean instead of Lowerbench's linear)." if c.get("us_per_norm") else "."),
              f"- The full step, {fmt(floor['full_ms'], 3)} ms = {fmt(floor['shared_kernels_ms'], 3)} ms in the two "
              f"ExecuTorch kernels optimum's `.pte` calls alike (custom_sdpa and update_cache: the two rows above) + "
              f"{fmt(floor['own_ms'], 3)} ms of Lowerbench's own part.",

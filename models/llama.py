@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         if xnnpack_form:
             # mean(x²) + ε as one fp32 linear, a 1/dim row with ε as its bias. XNNPACK's mean is a global
             # average pooling that takes only 4-D channels-last input, so it comes with two layout changes:
-            # 1.5 µs per norm on the runtime against 1.0 µs for this form (bench/floor.py's probes, 2 threads).
+            # a norm took 1.5 µs on the runtime with it and 1.0 µs in this form (bench/floor.py, 2 threads).
             self.register_buffer("mean_row", torch.empty(1, dim), persistent=False)
             self.register_buffer("eps_bias", torch.empty(1), persistent=False)
             self.fill_constants()

@@ -37,6 +37,11 @@ def _no_cache_write() -> None:
     Attention.write_cache_custom = lambda self, k, v, start_pos: None
 
 
+def _no_shared_kernels() -> None:
+    _no_sdpa()
+    _no_cache_write()
+
+
 def _no_norm_math() -> None:
     from models.llama import RMSNorm
 
@@ -54,6 +59,9 @@ ABLATIONS = {
     "full": ("nothing: the xnnpack-8da4w program as shipped", lambda: None),
     "no-sdpa": ("llama::custom_sdpa (its query passed through)", _no_sdpa),
     "no-cache-write": ("llama::update_cache (the caches stay zero)", _no_cache_write),
+    "no-shared-kernels": ("both at once, custom_sdpa and update_cache: what is left is Lowerbench's own part "
+                          "(the two single savings overlap, so their sum overstates the shared part)",
+                          _no_shared_kernels),
     "no-norm-math": ("the RMSNorm arithmetic (the weight multiply stays)", _no_norm_math),
     "no-attention": ("the whole attention but o_proj: q/k/v linear, rope, split, cache write, sdpa; "
                      "one XNNPACK partition instead of 31", _no_attention),

@@ -11,7 +11,11 @@ lowering as xnnpack-8da4w) and times them on the ExecuTorch runtime, one token a
   its input, the thread pool's start and join).
 - the same pair at 7.5 MB, which stays in the L3 cache, for comparison;
 - 400 chained elementwise ops against 1: what one small op inside a delegate costs;
-- 200 chained RMSNorms, Lowerbench's (its mean of squares as a linear) and with XNNPACK's mean instead.
+- 200 chained RMSNorms, Lowerbench's (its mean of squares as a linear) and with XNNPACK's mean instead;
+- the attention ops a decode step runs outside the delegate, for all 30 layers (llama::update_cache twice
+  and llama::custom_sdpa, Lowerbench's own Attention methods on the built-in model's caches), at the
+  positions the decode phase reaches: once with the caches warm in the L3 cache, once right after the
+  74.6 MB probe has streamed its weights through it, as the layers before them do in a real step.
 With the counts of a real program (bench/breakdown.py records them) these give its delegated part's
 floor: weight bytes ÷ streaming rate + quantized linears × cost per linear + other ops × cost per op."""
 from __future__ import annotations
@@ -33,6 +37,10 @@ from torch import nn  # noqa: E402
 
 HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
 GROUP = 32
+# SmolLM2-135M's attention: 30 layers of 9 query and 3 KV heads of 64, caches of bench's max context
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, MAX_SEQ_LEN = 30, 9, 3, 64, 512
+# The positions bench/decode.py's steps attend from: its 37-token prompt, then 64 new tokens
+DECODE_POSITIONS = range(37, 37 + 64)
 CHAIN = 400
 NORMS = 200
 
@@ -89,6 +97,67 @@ class _Norms(nn.Module):
         return x
 
 
+class _Attention(nn.Module):
+    """A decode step's work outside the XNNPACK delegate, layer after layer: the cache writes and custom_sdpa
+    of models/llama.py's Attention (its own methods, on caches shaped as in the built-in model)."""
+
+    def __init__(self):
+        super().__init__()
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers the llama:: ops)
+
+        from models.llama import Attention, ExportOptions, LlamaShape
+
+        shape = LlamaShape(vocab_size=1, hidden=HEADS * HEAD_DIM, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
+                           n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, attention_bias=False,
+                           mlp_bias=False, max_position_embeddings=MAX_SEQ_LEN)
+        options = ExportOptions(max_seq_len=MAX_SEQ_LEN, attention="custom")
+        self.layers = nn.ModuleList(Attention(shape, options) for _ in range(LAYERS))
+        for layer in self.layers:  # the probe calls only the cache methods: no projection weights in its program
+            del layer.qkv_proj, layer.o_proj
+
+    def forward(self, q, k, v, input_pos):
+        start_pos = input_pos[0].item()
+        torch._check(start_pos >= 0)
+        torch._check(start_pos + q.shape[1] <= MAX_SEQ_LEN)
+        for layer in self.layers:
+            layer.write_cache_custom(k, v, start_pos)
+            q = layer.attend_cache_custom(q, start_pos)  # chained, so every layer's sdpa stays in the program
+        return q
+
+
+def _lower_attention():
+    """The attention probe through Lowerbench's lowering with XNNPACK's partitioners: nothing in it is
+    delegable, so it runs on ExecuTorch's kernels as in the real program."""
+    from recipes.generate import load_runtime_method
+    from recipes.lowering import lower_to_pte
+    from recipes.xnnpack import _RUNTIME_IMPORTS, xnnpack_partitioners
+
+    example = (torch.randn(1, 1, HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM),
+               torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.tensor([DECODE_POSITIONS[0]]))
+    with torch.no_grad():
+        program = torch.export.export(_Attention().eval(), example, strict=False)
+    lowered = lower_to_pte(program, xnnpack_partitioners({}))
+    return load_runtime_method(lowered.pte, _RUNTIME_IMPORTS)
+
+
+def _time_attention(attention, streamer, x) -> tuple[float, float]:
+    """ms per decode step of the attention probe, walking the decode positions: (caches warm in L3, right
+    after the streaming probe's weights went through the cache). Each call is timed on its own."""
+    q, k, v = torch.randn(1, 1, HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM)
+    warm, cold = [], []
+    for pos in DECODE_POSITIONS:
+        inputs = [q, k, v, torch.tensor([pos])]
+        attention.execute(inputs)  # writes this position's rows, as the step before would have
+        start = time.perf_counter()
+        attention.execute(inputs)
+        warm.append(time.perf_counter() - start)
+        streamer.execute([x])
+        start = time.perf_counter()
+        attention.execute(inputs)
+        cold.append(time.perf_counter() - start)
+    return statistics.median(warm) * 1e3, statistics.median(cold) * 1e3
+
+
 def _weight_bytes(module: nn.Module) -> int:
     from bench.memory import INT4_G32_BYTES_PER_WEIGHT
 
@@ -135,6 +204,7 @@ def measure(rounds: int, threads: int, calls: int = 20) -> dict:
     built = probes()
     weight_bytes = {name: _weight_bytes(module) for name, (module, _) in built.items()}
     methods = {name: _lower(module, quantize) for name, (module, quantize) in built.items()}
+    _attention_program, attention = _lower_attention()
     set_runtime_threads(threads)
     x = torch.randn(1, 1, HIDDEN) * 0.01
     ms = {name: [] for name in methods}
@@ -148,6 +218,11 @@ def measure(rounds: int, threads: int, calls: int = 20) -> dict:
                 elapsed = time.perf_counter() - start
             if i:
                 ms[name].append(elapsed / calls * 1e3)
+        with thread_policy.runtime_threads():
+            warm, cold = _time_attention(attention, methods["wide_big"][1], x)
+        if i:
+            ms.setdefault("attention_warm", []).append(warm)
+            ms.setdefault("attention_cold", []).append(cold)
     med = {name: statistics.median(values) for name, values in ms.items()}
     linears_big, linears_l3 = CHAIN - 4, CHAIN // 10 - 4
     return {
@@ -161,6 +236,10 @@ def measure(rounds: int, threads: int, calls: int = 20) -> dict:
         "us_per_op": round((med["ops_many"] - med["ops_1"]) * 1e3 / CHAIN, 4),
         "us_per_norm": round((med["norms_linear"] - med["ops_1"]) * 1e3 / NORMS, 3),
         "us_per_norm_with_xnnpack_mean": round((med["norms_mean"] - med["ops_1"]) * 1e3 / NORMS, 3),
+        # custom_sdpa + 2 update_cache for all layers, per step (one runtime call each, its overhead included)
+        "attention_ms_warm": round(med["attention_warm"], 4),
+        "attention_ms_after_weights": round(med["attention_cold"], 4),
+        "attention_positions": [DECODE_POSITIONS[0], DECODE_POSITIONS[-1]],
     }
 
 

@@ -208,8 +208,13 @@ def _floor_lines(floor: dict | None) -> list[str]:
              + (f"; an RMSNorm over the hidden size {fmt(c['us_per_norm'], 2)} µs ({fmt(c['us_per_norm_with_xnnpack_mean'], 2)} "
                 f"µs with XNNPACK's mean instead of Lowerbench's linear)." if c.get("us_per_norm") else "."),
              f"- The full step, {fmt(floor['full_ms'], 3)} ms = {fmt(floor['shared_kernels_ms'], 3)} ms in the two "
-             f"ExecuTorch kernels optimum's `.pte` calls alike (custom_sdpa and update_cache: the two rows above) + "
-             f"{fmt(floor['own_ms'], 3)} ms of Lowerbench's own part.",
+             f"ExecuTorch kernels optimum's `.pte` calls alike (custom_sdpa and update_cache; "
+             + ("both taken out at once" if floor.get("shared_kernels_how", "").startswith("both") else
+                "the sum of the two rows above, which overlap and so overstate it") + ") + "
+             f"{fmt(floor['own_ms'], 3)} ms of Lowerbench's own part."
+             + (f" Probed alone, the same kernels for all layers take {fmt(c['attention_ms_warm'], 3)} ms with the "
+                f"KV caches in the L3 cache and {fmt(c['attention_ms_after_weights'], 3)} ms right after a step's "
+                f"worth of weights went through it." if c.get("attention_ms_after_weights") else ""),
              f"- Its delegated work, {work['quantized_linears']} int4 linears, {work['other_ops']} other ops and "
              f"{fmt(floor['weight_mb'])} MB of weights, can cost no less than {fmt(floor['own_floor_ms'], 3)} ms with "
              f"these kernels: the own part takes {ratio(floor['own_ms'], floor['own_floor_ms'])} the floor's time."]

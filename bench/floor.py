@@ -35,10 +35,12 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench.decode import MAX_SEQ_LEN  # noqa: E402  (the context the benchmark exports with)
+
 HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
 GROUP = 32
-# SmolLM2-135M's attention: 30 layers of 9 query and 3 KV heads of 64, caches of bench's max context
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, MAX_SEQ_LEN = 30, 9, 3, 64, 512
+# SmolLM2-135M's attention: 30 layers of 9 query and 3 KV heads of 64 (9 x 64 = HIDDEN)
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 # The positions bench/decode.py's steps attend from: its 37-token prompt, then 64 new tokens
 DECODE_POSITIONS = range(37, 37 + 64)
 CHAIN = 400
@@ -107,7 +109,7 @@ class _Attention(nn.Module):
 
         from models.llama import Attention, ExportOptions, LlamaShape
 
-        shape = LlamaShape(vocab_size=1, hidden=HEADS * HEAD_DIM, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
+        shape = LlamaShape(vocab_size=1, hidden=HIDDEN, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
                            n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, attention_bias=False,
                            mlp_bias=False, max_position_embeddings=MAX_SEQ_LEN)
         options = ExportOptions(max_seq_len=MAX_SEQ_LEN, attention="custom")
@@ -175,7 +177,7 @@ def _lower(module: nn.Module, quantize: bool):
     module.eval()
     if quantize:
         quantize_linears_8da4w(module, GROUP)
-    tokens = torch.export.Dim("seq_len", min=1, max=512)
+    tokens = torch.export.Dim("seq_len", min=1, max=MAX_SEQ_LEN)
     with torch.no_grad():
         program = torch.export.export(module, (torch.randn(1, 2, HIDDEN),), dynamic_shapes=({1: tokens},), strict=False)
     lowered = lower_to_pte(program, xnnpack_partitioners({}))

@@ -34,7 +34,8 @@ def sequence_logits(step: Callable, ids: list[int], max_seq_len: int) -> torch.T
         if len(window) < 2:
             break
         logits = step(torch.tensor([window], dtype=torch.long), torch.tensor([0], dtype=torch.long))
-        predictions.append(logits[0, :-1].float())
+        # a copy: the runtime's step lends its output buffer, which the next window overwrites
+        predictions.append(logits[0, :-1].to(torch.float32, copy=True))
     return torch.cat(predictions)
 
 

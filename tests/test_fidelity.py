@@ -31,6 +31,21 @@ def test_windows_cover_the_text_and_match_their_targets():
     assert torch.equal(logits.argmax(-1), targets)
 
 
+def test_windows_survive_a_step_that_lends_one_buffer():
+    """The runtime's step returns its own output buffer, which the next window's call overwrites."""
+    ids = list(range(10, 10 + 150))
+    lent = torch.zeros(1, 64, 200)
+
+    def step(tokens, input_pos):
+        logits = lent[:, : tokens.shape[1]]
+        logits.zero_()
+        logits.copy_(torch.nn.functional.one_hot(tokens + 1, 200).float())
+        return logits
+
+    logits = fidelity.sequence_logits(step, ids, 64)
+    assert torch.equal(logits.argmax(-1), fidelity.targets_of(ids, 64))
+
+
 def test_eval_text_is_shipped_and_tokenizes(tiny_checkpoint):
     text = fidelity.EVAL_TEXT.read_text()
     assert text.startswith("It is a truth universally acknowledged") and len(text.split()) > 250

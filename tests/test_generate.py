@@ -1,7 +1,7 @@
 """recipes/generate.py's choice of the next token."""
 import torch
 
-from recipes.generate import pick_next
+from recipes.generate import generate, pick_next
 
 
 def test_greedy_pick_is_the_first_largest_logit_in_every_dtype():
@@ -19,3 +19,76 @@ def test_sampling_is_seeded_and_respects_top_p():
     assert picks == {0}  # top_p 0.5 keeps only the most likely token
     first = [pick_next(logits, 1.0, 1.0, torch.Generator().manual_seed(7)) for _ in range(3)]
     assert len(set(first)) == 1
+
+
+class _PlainTokenizer:
+    """No chat template: the prompt's ids are its characters' codes mod 16; no end-of-sequence token."""
+
+    eos_token_id = None
+
+    def encode(self, text):
+        return [ord(c) % 16 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def test_loop_gives_each_step_its_own_token_and_position_and_reads_lent_logits():
+    """The loop writes every step's token and position into the same two tensors, and a step may lend one
+    logits buffer that its next call overwrites (the runtime's does): each step must still get its own
+    inputs, and each token must come from its own step's logits."""
+    vocab = 16
+    lent = torch.zeros(1, 1, vocab)
+    seen = []
+
+    def step(tokens, input_pos):
+        seen.append((tokens[0].tolist(), int(input_pos[0])))
+        logits = lent if tokens.shape[1] == 1 else torch.zeros(1, tokens.shape[1], vocab)
+        logits.zero_()
+        logits[0, -1, (int(tokens[0, -1]) * 3 + int(input_pos[0])) % vocab] = 1.0
+        return logits
+
+    result = generate(step, "test", _PlainTokenizer(), "ab", max_new_tokens=5, max_seq_len=32)
+    prompt = [ord("a") % 16, ord("b") % 16]  # 1, 2
+    expected, last = [], prompt[-1]
+    for i in range(5):  # prefill starts at 0 and predicts from its last token; then one step per token
+        last = (last * 3 + (0 if i == 0 else len(prompt) + i - 1)) % vocab
+        expected.append(last)
+    assert seen == [(prompt, 0)] + [([t], len(prompt) + i) for i, t in enumerate(expected[:-1])]
+    assert result.text == " ".join(str(t) for t in expected)
+    assert result.new_tokens == 5 and result.prompt_tokens == 2
+
+
+def test_runtime_step_lends_its_output_and_generation_matches_eager(tiny_fp32_lowered, tiny_checkpoint):
+    """On the real runtime: the step's logits are the runtime's buffer (the next call overwrites them), and
+    greedy generation through it gives the eager module's tokens."""
+    from recipes.generate import eager_step, load_runtime_method, runtime_step
+
+    module, lowered, recipe = tiny_fp32_lowered
+    step = runtime_step(load_runtime_method(lowered.pte, recipe.runtime_imports))
+    first = step(torch.tensor([[3, 5, 7]]), torch.tensor([0]))
+    kept = first.clone()
+    second = step(torch.tensor([[9]]), torch.tensor([3]))
+    assert second.data_ptr() == first.data_ptr() and not torch.equal(first, kept)
+
+    tokenizer = tiny_checkpoint.tokenizer
+    runtime = generate(step, "executorch-runtime", tokenizer, "hello there", max_new_tokens=12, max_seq_len=64)
+    eager = generate(eager_step(module), "eager-fp32", tokenizer, "hello there", max_new_tokens=12, max_seq_len=64)
+    assert runtime.text == eager.text and runtime.new_tokens == eager.new_tokens
+
+
+def test_runtime_without_the_flag_keeps_its_own_copying_execute():
+    from recipes.generate import _borrowing_call
+
+    class Method:  # an executorch.runtime Method whose pybind call has no clone_outputs
+        class _Bound:
+            def __call__(self, inputs):
+                raise AssertionError("must not be called directly")
+
+        _method = _Bound()
+
+        def execute(self, inputs):
+            return ["copied"]
+
+    method = Method()
+    assert _borrowing_call(method)([]) == ["copied"]

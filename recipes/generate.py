@@ -194,6 +194,10 @@ def runtime_step(loaded) -> Callable:
         with thread_policy.runtime_threads():
             return call([tokens, input_pos])[0]
 
+    # The method borrows from the program (and a program loaded from bytes from those bytes): the step keeps both,
+    # so a caller may hold only the step. Without this a step over a .pte loaded from bytes segfaulted once the
+    # bytes were collected.
+    step.loaded = loaded
     return step
 
 

@@ -91,12 +91,12 @@ def time_engines(hf: str, specs: list[str], rounds: int, new_tokens: int, thread
     from bench.decode import MAX_SEQ_LEN, _NeverStops, load_tokenizer, runtime_engine_step, set_runtime_threads
 
     tokenizer = _NeverStops(load_tokenizer(hf))
+    set_runtime_threads(threads)
     engines = []
     for spec in specs:
         name, _, path = spec.partition("=")
         positions = "all" if path.endswith(":all") else "start"
         engines.append((name, runtime_engine_step(path.removesuffix(":all"), positions)))
-    set_runtime_threads(threads)
     decode = {name: [] for name, _ in engines}
     prefill = {name: [] for name, _ in engines}
     for i in range(rounds + 1):  # round 0 warms caches and the thread pool; it is not counted

@@ -5,7 +5,11 @@
 Engines: lowerbench-pte and optimum-pte (the .pte on executorch.runtime through recipes/generate.py's
 loop), llama.cpp (llama-cpp-python on the GGUF), hf-eager (transformers generate, fp32).
 Every engine gets the same prompt token ids (the chat template of the model's own tokenizer), and end
-of sequence is ignored so each produces the same number of tokens."""
+of sequence is ignored so each produces the same number of tokens. Every engine makes one one-token call
+after loading, before the timed generation: the .pte engines in recipes/generate.py's runtime_step (what
+Lowerbench does whenever it loads a program), llama.cpp and HF eager here. First calls set things up once
+(XNNPACK plans its workspace, llama.cpp its compute buffers); llama.cpp's own tools and ExecuTorch's LLM
+runner warm up the same way."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +52,9 @@ def load_tokenizer(hf_folder: str):
 
 
 def set_runtime_threads(threads: int) -> None:
+    """The runtime's thread pool at `threads`. Call it before loading any program: the reset replaces the
+    pool, and XNNPACK delegates created earlier keep the old one. Reset after a program had run (the .pte
+    engines' warm-up), 1 thread aborted with "double free or corruption" in 8 of 9 processes."""
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
     _unsafe_reset_threadpool(threads)
@@ -72,8 +79,8 @@ def runtime_engine_step(pte: str, positions: str):
 
 
 def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: int, positions: str) -> dict:
-    step = runtime_engine_step(pte, positions)
     set_runtime_threads(threads)
+    step = runtime_engine_step(pte, positions)
     cpu = []
     timed = step
 
@@ -91,17 +98,29 @@ def llama_cpp(gguf: str, tokenizer, prompt: str, new_tokens: int, threads: int) 
     import numpy as np
     from llama_cpp import Llama
 
+    import llama_cpp
+
     llm = Llama(model_path=gguf, n_ctx=MAX_SEQ_LEN, n_threads=threads, n_threads_batch=threads,
                 n_batch=MAX_SEQ_LEN, verbose=False)
     ids = gen.prompt_token_ids(tokenizer, prompt)
+
+    def last_logits():
+        # The context's logits of the last evaluated token. `llm.scores` is filled only with logits_all=True
+        # (llama-cpp-python 0.3.36), which would also keep every prompt position's logits.
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+    # Warm-up, as for every engine (module docstring): one token, then forget it. The next eval starts at
+    # position 0 and drops the cache from there.
+    llm.eval(ids[:1])
+    llm.reset()
     start, cpu_start = time.perf_counter(), time.process_time()
     llm.eval(ids)
     prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    out = [int(np.argmax(last_logits()))]
     start, cpu_start = time.perf_counter(), time.process_time()
     while len(out) < new_tokens:
         llm.eval([out[-1]])
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        out.append(int(np.argmax(last_logits())))
     decode_s, decode_cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return {**_result("llama.cpp", prompt, tokenizer, ids, out, prefill_s, decode_s),
             **_cpu_rates(len(ids), len(out), prefill_cpu, decode_cpu)}
@@ -130,6 +149,7 @@ def hf_eager(hf_folder: str, tokenizer, prompt: str, new_tokens: int, threads: i
 
     stamps = Stamps()
     with torch.no_grad():
+        model(torch.tensor([ids[:1]]))  # warm-up, as for every engine (module docstring)
         output = model.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=stamps, pad_token_id=tokenizer.eos_token_id,

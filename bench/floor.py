@@ -203,11 +203,11 @@ def probes() -> dict[str, tuple[nn.Module, bool]]:
 def measure(rounds: int, threads: int, calls: int = 20) -> dict:
     from bench.decode import set_runtime_threads
 
+    set_runtime_threads(threads)
     built = probes()
     weight_bytes = {name: _weight_bytes(module) for name, (module, _) in built.items()}
     methods = {name: _lower(module, quantize) for name, (module, quantize) in built.items()}
     _attention_program, attention = _lower_attention()
-    set_runtime_threads(threads)
     x = torch.randn(1, 1, HIDDEN) * 0.01
     ms = {name: [] for name in methods}
     for i in range(rounds + 1):  # round 0 warms caches and the thread pool; it is not counted

@@ -182,11 +182,13 @@ def delegate_backends(pte: Path | bytes) -> list[str]:
     return sorted({d.id for plan in program.execution_plan for d in plan.delegates})
 
 
-def runtime_step(loaded) -> Callable:
+def runtime_step(loaded, warm: bool = True) -> Callable:
     """The .pte's forward as a step. Its logits are the runtime's own output buffer, valid until the next call.
     `Method.execute` copies them out: 7.3 MB for a 37-token prefill, 0.2 ms, and with the loop's reused inputs
     9 µs of each decode step (22.5 -> 13.4 µs of loop on a program that only looks up logits). Callers that
-    keep logits across calls copy them (recipes/fidelity.py does)."""
+    keep logits across calls copy them (recipes/fidelity.py does).
+
+    warm: the step makes its first call here, as part of loading (see `warm_up`)."""
     _program, method = loaded
     call = _borrowing_call(method)
 
@@ -198,7 +200,20 @@ def runtime_step(loaded) -> Callable:
     # so a caller may hold only the step. Without this a step over a .pte loaded from bytes segfaulted once the
     # bytes were collected.
     step.loaded = loaded
+    if warm:
+        warm_up(step)
     return step
+
+
+def warm_up(step: Callable) -> None:
+    """One decode-shaped call (token 0 at position 0), made when a program is loaded so that a generation
+    measures the program and not its one-time setup. On its first call an XNNPACK program plans its
+    workspace for the longest sequence it accepts and zeroes it: 19 MB in three growing buffers for the
+    built-in model at a context of 512 (4,800 fresh pages, ~10 ms), which would otherwise land in the first
+    prefill (README, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
+    cache row it writes is harmless: a generation's prefill starts at position 0 and rewrites it, and
+    attention never reads a row past the current position."""
+    step(torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
 
 
 def _borrowing_call(method) -> Callable:

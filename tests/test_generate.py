@@ -111,3 +111,77 @@ def test_runtime_step_keeps_its_program_alive(tiny_fp32_lowered):
     gc.collect()
     assert program() is not None
     assert step(torch.tensor([[3, 5, 7]]), torch.tensor([0])).shape[1] == 3
+
+
+class _RecordingMethod:
+    """A loaded method that records what it is called with (no pybind `_method`: the step uses `execute`)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def execute(self, inputs):
+        tokens, input_pos = inputs
+        self.calls.append((tokens.tolist(), input_pos.tolist()))
+        return [torch.zeros(1, tokens.shape[1], 4)]
+
+
+def test_runtime_step_warms_up_with_one_decode_call_at_load():
+    from recipes.generate import runtime_step
+
+    method = _RecordingMethod()
+    step = runtime_step((None, method))
+    assert method.calls == [([[0]], [0])]  # one token at position 0, before any caller's call
+    step(torch.tensor([[4, 5]]), torch.tensor([0]))
+    assert method.calls[1:] == [([[4, 5]], [0])]
+
+    cold = _RecordingMethod()
+    runtime_step((None, cold), warm=False)
+    assert cold.calls == []
+
+
+def test_warm_up_leaves_generation_unchanged(tiny_fp32_lowered):
+    """The warm-up writes cache row 0; the next prefill starts there. A warmed and a cold load of the same
+    .pte give bit-identical logits for a prefill and the decode steps after it."""
+    from recipes.generate import load_runtime_method, runtime_step
+
+    _module, lowered, recipe = tiny_fp32_lowered
+    warmed = runtime_step(load_runtime_method(lowered.pte, recipe.runtime_imports))
+    cold = runtime_step(load_runtime_method(lowered.pte, recipe.runtime_imports), warm=False)
+    calls = [(torch.tensor([[3, 5, 7]]), torch.tensor([0]))] + [(torch.tensor([[t]]), torch.tensor([3 + i]))
+                                                                for i, t in enumerate((9, 2, 11))]
+    for tokens, position in calls:
+        assert torch.equal(warmed(tokens, position).clone(), cold(tokens, position).clone())
+
+
+_FIRST_CALL_FAULTS = """
+import resource, sys
+import torch
+from recipes.generate import load_runtime_method, runtime_step
+from recipes.xnnpack import _RUNTIME_IMPORTS
+step = runtime_step(load_runtime_method(sys.argv[1], _RUNTIME_IMPORTS), warm=sys.argv[2] == "warm")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+step(torch.zeros((1, 1), dtype=torch.long), torch.tensor([5]))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_warm_up_takes_xnnpacks_workspace_setup_out_of_the_first_generation(builtin_8da4w_run):
+    """The built-in 8da4w program plans and zeroes its XNNPACK workspace (19 MB at a context of 512) on its
+    first call. Counted as fresh pages in the first decode-shaped call of a new process: cold, that call
+    takes them; after the load's warm-up, it does not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, _report, _result = builtin_8da4w_run
+    root = Path(__file__).resolve().parent.parent
+
+    def first_call_faults(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _FIRST_CALL_FAULTS, str(out / "model.pte"), mode],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.strip().splitlines()[-1])
+
+    cold, warmed = first_call_faults("cold"), first_call_faults("warm")
+    assert cold > 3000, cold  # ~4,800 pages of 4 KB: the workspace, zeroed three times as it grows
+    assert warmed < 500, warmed

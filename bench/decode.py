@@ -95,12 +95,10 @@ def executorch_pte(pte: str, tokenizer, prompt: str, new_tokens: int, threads: i
 
 
 def llama_cpp(gguf: str, tokenizer, prompt: str, new_tokens: int, threads: int) -> dict:
-    import numpy as np
-    from llama_cpp import Llama
-
     import llama_cpp
+    import numpy as np
 
-    llm = Llama(model_path=gguf, n_ctx=MAX_SEQ_LEN, n_threads=threads, n_threads_batch=threads,
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=MAX_SEQ_LEN, n_threads=threads, n_threads_batch=threads,
                 n_batch=MAX_SEQ_LEN, verbose=False)
     ids = gen.prompt_token_ids(tokenizer, prompt)
 

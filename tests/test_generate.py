@@ -94,7 +94,6 @@ def test_runtime_without_the_flag_keeps_its_own_copying_execute():
     assert _borrowing_call(method)([]) == ["copied"]
 
 
-
 def test_runtime_step_keeps_its_program_alive(tiny_fp32_lowered):
     """A caller may keep only the step (recipes/run.py does), and the method borrows from its program, which
     holds the .pte bytes: once they were collected, a step over a 12 MB .pte segfaulted (measured)."""

@@ -92,8 +92,8 @@ def test_runtime_load_says_needs_macos(tiny_coreml_int8_with_acosh, tmp_path):
 
 
 @pytest.mark.builtin
-@pytest.mark.parametrize("name", ["coreml-fp16", "coreml-int4"])
-def test_builtin_model_lowers_to_coreml(builtin_coreml_run, name):
+def test_builtin_model_lowers_to_coreml(builtin_coreml_run):
+    name = "coreml-int4"
     out, reports, _result = builtin_coreml_run
     report = reports[name]
     assert report["errors"] == []
@@ -107,8 +107,7 @@ def test_builtin_model_lowers_to_coreml(builtin_coreml_run, name):
     assert delegation["non_delegated_nodes"] <= 2
     assert delegation["edge_nodes_before_partitioning"] == delegation["delegated_nodes"]
     assert "aten.scaled_dot_product_attention.default" in delegation["preserved_ops"]["CoreMLPartitioner"]
-    if name == "coreml-int4":
-        assert ops["torchao_dequantize_affine_default"]["delegated"] == 30 * 7 + 1
+    assert ops["torchao_dequantize_affine_default"]["delegated"] == 30 * 7 + 1
     engines = [g["engine"] for g in report["generations"]]
     if platform.system() != "Darwin":
         assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report["runtime_note"]

@@ -190,6 +190,13 @@ def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path)
     assert first["errors"] == [] and second["errors"] == [], (first["errors"], second["errors"])
     assert second["timings_s"]["shared_quantization_with"] == "coreml-fp16"
     assert (tmp_path / "coreml-fp16" / "model.pte").exists() and (tmp_path / "coreml-fp32" / "model.pte").exists()
+    # coreml-fp16's whole-program delegation is checked here (the built-in model runs coreml-int4 only)
+    for report in (first, second):
+        delegation = report["delegation"]
+        ops = {o["op"]: o for o in delegation["ops"]}
+        assert delegation["delegated_subgraphs"] == 1 and delegation["non_delegated_nodes"] <= 2
+        for op in ("aten_linear_default", "aten_scaled_dot_product_attention_default"):
+            assert ops[op]["delegated"] > 0 and ops[op]["non_delegated"] == 0, ops[op]
 
 
 def test_fused_qkv_quantizes_exactly_as_three_linears(tiny_checkpoint):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
 import resource
 import subprocess
 import time
@@ -16,7 +17,7 @@ import psutil
 POLL_S = 0.1
 
 
-_SYS_KCMP = 312  # x86_64
+_SYS_KCMP = 312 if platform.machine() == "x86_64" else None  # its number differs per architecture
 _KCMP_VM = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -27,7 +28,7 @@ def same_address_space(pid_a: int, pid_b: int) -> bool:
     preprocessing runs `flatc` once per partition (Python's subprocess uses vfork), so a poll that landed in
     that window counted the exporting process twice: 3157 MB for a 1738 MB process (session 12). False where
     kcmp is unavailable, which is the old sum."""
-    return _libc.syscall(_SYS_KCMP, pid_a, pid_b, _KCMP_VM, 0, 0) == 0
+    return _SYS_KCMP is not None and _libc.syscall(_SYS_KCMP, pid_a, pid_b, _KCMP_VM, 0, 0) == 0
 
 
 def tree_rss(proc: psutil.Process) -> int:

@@ -176,21 +176,9 @@ def builtin_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def builtin_xnnpack_run(builtin_run):
-    """xnnpack-fp32 and xnnpack-8da4w on the built-in model, shared by the spine and fidelity tests."""
-    return builtin_run
-
-
-@pytest.fixture(scope="session")
-def builtin_8da4w_run(builtin_xnnpack_run):
-    out, reports, result = builtin_xnnpack_run
+def builtin_8da4w_run(builtin_run):
+    out, reports, result = builtin_run
     return out / "xnnpack-8da4w", reports["xnnpack-8da4w"], result
-
-
-@pytest.fixture(scope="session")
-def builtin_coreml_run(builtin_run):
-    """coreml-int4 on the built-in model (the same run as the XNNPACK recipes)."""
-    return builtin_run
 
 
 @pytest.fixture(scope="session")
@@ -205,9 +193,9 @@ def tiny_fp32_run(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def builtin_fp32_run(builtin_xnnpack_run):
+def builtin_fp32_run(builtin_run):
     """xnnpack-fp32 on the built-in model (its report carries fidelity)."""
-    out, reports, result = builtin_xnnpack_run
+    out, reports, result = builtin_run
     return out / "xnnpack-fp32", reports["xnnpack-fp32"], result
 
 

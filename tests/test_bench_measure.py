@@ -24,17 +24,13 @@ def test_tree_rss_adds_a_separate_child_once():
     alone = tree_rss(me)
     # the child holds 200 MB of its own, written so that it is resident
     child = subprocess.Popen([sys.executable, "-c",
-                              "import sys, time; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                              "import time; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); "
                               "print('ready', flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         with_child = tree_rss(me)
         assert with_child - alone >= 200 << 20
-        assert with_child - alone <= child_rss(child.pid) + (64 << 20)
+        assert with_child - alone <= psutil.Process(child.pid).memory_info().rss + (64 << 20)
     finally:
         child.kill()
         child.wait()
-
-
-def child_rss(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss

@@ -92,9 +92,9 @@ def test_runtime_load_says_needs_macos(tiny_coreml_int8_with_acosh, tmp_path):
 
 
 @pytest.mark.builtin
-def test_builtin_model_lowers_to_coreml(builtin_coreml_run):
+def test_builtin_model_lowers_to_coreml(builtin_run):
     name = "coreml-int4"
-    out, reports, _result = builtin_coreml_run
+    out, reports, _result = builtin_run
     report = reports[name]
     assert report["errors"] == []
     assert (out / name / "model.pte").stat().st_size == report["pte"]["bytes"]

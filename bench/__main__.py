@@ -125,7 +125,7 @@ def phase_decode(args, hf: Path) -> dict:
             engines.pop(name)
     if args.threads > 1 and engines.get("lowerbench-pte"):
         # The same .pte on one thread: how much a second core buys. Not optimum's .pte: on one thread it
-        # aborts in executorch.runtime ("double free or corruption"), in 3 of 3 runs here.
+        # aborts in executorch.runtime ("double free or corruption").
         engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
     if engines.get("lowerbench-pte"):
         # The same .pte without Lowerbench's thread policy (thread_policy.py): what the policy buys.
@@ -277,8 +277,7 @@ def phase_breakdown(args, hf: Path) -> dict:
         specs.append(f"optimum-pte={opte}:all")
     else:
         skipped["optimum-pte"] = why_not
-    # In one process the programs loaded first decode slower (here Lowerbench's .pte ran 1.10-1.15x
-    # optimum's when loaded before it, 1.21-1.29x when loaded after), so the timing runs once per rotation
+    # In one process the programs loaded first decode slower, so the timing runs once per rotation
     # of the load order and every program's figure is the median over all rotations' rounds.
     timings, floors = [], []
     for shift in range(len(specs)):
@@ -323,8 +322,7 @@ def summarize_breakdown(data: dict) -> dict:
 def summarize_floor(data: dict, engines: dict) -> dict | None:
     """The full program's step split into the two ExecuTorch kernels both .pte call (custom_sdpa and
     update_cache, measured by taking both out at once) and Lowerbench's own part; that part against the floor
-    of XNNPACK's kernels for its delegated work; the kernels' own probe (bench/floor.py) beside them; and what
-    the 1.25x target over optimum's .pte would need."""
+    of XNNPACK's kernels for its delegated work; the kernels' own probe (bench/floor.py) beside them; and optimum's step for comparison."""
     from bench.floor import floor_ms
 
     results = [f["result"] for f in data.get("floors", []) if f["returncode"] == 0 and f["result"]]
@@ -349,7 +347,6 @@ def summarize_floor(data: dict, engines: dict) -> dict | None:
              "own_floor_ms": round(floor_ms(costs, data["decode_weight_bytes_per_token"], full_export["delegated_work"]), 3)}
     if ms.get("optimum-pte"):
         floor["optimum_ms"] = ms["optimum-pte"]
-        floor["own_ms_for_target"] = round(ms["optimum-pte"] / table.TARGET_DECODE_VS_OPTIMUM - shared, 3)
     return floor
 
 

@@ -1,4 +1,4 @@
-"""What XNNPACK's kernels allow on this machine: the least a decode step's delegated part can cost.
+"""What XNNPACK's kernels allow on the machine it runs on: the least a decode step's delegated part can cost.
 Prints one JSON line.
 
     python -m bench.floor [--rounds 30] [--threads 2]

@@ -26,7 +26,7 @@ def same_address_space(pid_a: int, pid_b: int) -> bool:
     """True when two processes share one address space (kcmp(2), KCMP_VM). A child made by vfork shares its
     parent's until it calls exec, and /proc shows it with the parent's whole RSS. ExecuTorch's XNNPACK
     preprocessing runs `flatc` once per partition (Python's subprocess uses vfork), so a poll that landed in
-    that window counted the exporting process twice: 3157 MB for a 1738 MB process (session 12). False where
+    that window counted the exporting process twice. False where
     kcmp is unavailable, which is the old sum."""
     return _SYS_KCMP is not None and _libc.syscall(_SYS_KCMP, pid_a, pid_b, _KCMP_VM, 0, 0) == 0
 

@@ -1,4 +1,4 @@
-"""How fast this machine reads memory, and how many weight bytes one decode step of xnnpack-8da4w reads:
+"""How fast the machine reads memory, and how many weight bytes one decode step of xnnpack-8da4w reads:
 together the memory-bound ceiling a decode figure is judged against. Prints one JSON line.
 
     python -m bench.memory [--threads 2] [--hf FOLDER]

@@ -154,7 +154,7 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
     except RuntimeError as err:
         missing = [b for b in delegate_backends(pte) if not runtime.backend_registry.is_available(b)]
         if missing:
-            where = "; ".join(f"{b} programs run on {BACKEND_HOSTS.get(b, 'a runtime built with that backend')}" for b in missing)
+            where = "; ".join(f"{b} programs run on {_runs_on(b)}" for b in missing)
             raise UserFacingError(
                 f"this .pte delegates to {', '.join(missing)}, which this ExecuTorch runtime does not have "
                 f"(it has {', '.join(runtime.backend_registry.registered_backend_names) or 'none'}); {where}."
@@ -164,12 +164,12 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
     return program, method
 
 
-# Where a delegate backend's programs can run, for the message when this runtime lacks the backend.
-BACKEND_HOSTS = {
-    "CoreMLBackend": "Apple OSes only: it needs macOS (15+) or iOS (18+), where Core ML exists",
-    "MPSBackend": "Apple OSes only: it needs macOS or iOS with Metal",
-    "QnnBackend": "Android or Linux devices with a Qualcomm NPU and the QNN runtime libraries",
-}
+def _runs_on(delegate_id: str) -> str:
+    """Where a delegate's programs run, from the registered backend of that delegate id."""
+    from recipes.registry import backend_for_delegate
+
+    backend = backend_for_delegate(delegate_id)
+    return backend.runs_on if backend is not None else "a runtime built with that backend"
 
 
 def delegate_backends(pte: Path | bytes) -> list[str]:

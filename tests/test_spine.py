@@ -17,7 +17,7 @@ def test_fp32_runtime_logits_match_eager(tiny_fp32_lowered):
     module.reset_cache()
     with torch.no_grad():
         eager = module(tokens, torch.tensor([0]))
-    _program, method = load_runtime_method(lowered.pte, recipe.runtime_imports)
+    _program, method = load_runtime_method(lowered.pte, recipe.backend.runtime_imports)
     runtime = method.execute([tokens, torch.tensor([0])])[0]
     assert runtime.shape == eager.shape
     assert (runtime - eager).abs().max().item() < 1e-4
@@ -95,7 +95,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
 
 def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_path):
     from recipes.generate import load_runtime_method
-    from recipes.xnnpack import _RUNTIME_IMPORTS
+    from recipes.xnnpack import BACKEND
 
     out = tmp_path / "out"
     result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
@@ -105,7 +105,7 @@ def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_p
     assert report["generations"] == [] and report["fidelity"] is None and "export only" in report["generation_note"]
     assert "reference_generation" not in report["timings_s"] and report["delegation"]["delegated_subgraphs"] == 3
     assert report["pte"]["sha256"] == hashlib.sha256((out / "model.pte").read_bytes()).hexdigest()
-    _program, method = load_runtime_method(out / "model.pte", _RUNTIME_IMPORTS)
+    _program, method = load_runtime_method(out / "model.pte", BACKEND.runtime_imports)
     import torch
 
     logits = method.execute([torch.tensor([[1, 2, 3]]), torch.tensor([0])])[0]

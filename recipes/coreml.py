@@ -52,6 +52,7 @@ BACKEND = Backend(
         "8da4w": "Core ML has no dynamic activation quantization; use int4-weight",
     },
     cannot_run_here=needs_apple_os,
+    packages=("coremltools",),
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
     # one slice and the causal mask built by comparison.
     attention="sdpa-slice",

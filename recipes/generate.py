@@ -130,8 +130,8 @@ def eager_step(module: torch.nn.Module) -> Callable:
 
 
 def _static_tokens_per_call(module: torch.nn.Module) -> int | None:
-    """The fixed token count of a program exported with static shapes (QNN's, via program.module()),
-    or None when the module takes any number of tokens."""
+    """The fixed token count of a program exported with static shapes (Backend.static_tokens, via
+    program.module()), or None when the module takes any number of tokens."""
     if not isinstance(module, torch.fx.GraphModule):
         return None
     tokens = next((n for n in module.graph.nodes if n.op == "placeholder"), None)
@@ -207,10 +207,9 @@ def runtime_step(loaded, warm: bool = True) -> Callable:
 
 def warm_up(step: Callable) -> None:
     """One decode-shaped call (token 0 at position 0), made when a program is loaded so that a generation
-    measures the program and not its one-time setup. On its first call an XNNPACK program plans its
-    workspace for the longest sequence it accepts and zeroes it: 19 MB in three growing buffers for the
-    built-in model at a context of 512 (4,800 fresh pages, ~10 ms), which would otherwise land in the first
-    prefill (README, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
+    measures the program and not its one-time setup. On its first call a delegate may plan its workspace
+    for the longest sequence it accepts and zero it, which would otherwise land in the first prefill
+    (README, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
     cache row it writes is harmless: a generation's prefill starts at position 0 and rewrites it, and
     attention never reads a row past the current position."""
     step(torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))

@@ -48,8 +48,8 @@ class _EdgeOpCounter:
 
 
 class _PartitionerLog(logging.Handler):
-    """Collects what partitioners log while lowering (Core ML's "Skipping op ..." messages at INFO,
-    XNNPACK's WhyNoPartition at DEBUG) and passes on to the usual handlers what they would have shown."""
+    """Collects what partitioners log while lowering ("Skipping op ..." messages at INFO, WhyNoPartition
+    records at DEBUG) and passes on to the usual handlers what they would have shown."""
 
     def __init__(self, shown_level: int):
         super().__init__(logging.DEBUG)
@@ -103,10 +103,9 @@ def _record_preserved_ops(partitioners: list) -> dict[str, list[str]]:
 
 def _skip_redundant_decomposition(partitioners: list) -> None:
     """to_edge_transform_and_lower decomposes the whole program three times for a partitioner that gives a
-    per-node check with its ops to preserve (XNNPACK does): once to functionalize, once keeping the ops, and
-    once more after hiding the nodes that pass the check, to decompose the ones that fail it. When every such
-    node passes, that third whole-graph decomposition changes nothing (a fifth of XNNPACK lowering time on a
-    Llama). So when the check passes all of them on the functionalized program it is shown, this says "no
+    per-node check with its ops to preserve: once to functionalize, once keeping the ops, and once more after
+    hiding the nodes that pass the check, to decompose the ones that fail it. When every such node passes,
+    that third whole-graph decomposition changes nothing, at the cost of a whole decomposition. So when the check passes all of them on the functionalized program it is shown, this says "no
     check", which takes ExecuTorch's two-decomposition path; otherwise the check goes through unchanged."""
     for partitioner in partitioners:
         original = partitioner.ops_to_not_decompose

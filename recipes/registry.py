@@ -23,9 +23,9 @@ def _describes_nothing(options: dict) -> dict:
 
 @dataclass(frozen=True, eq=False)
 class Backend:
-    name: str  # "xnnpack": the first part of its recipes' names
-    title: str  # "XNNPACK", for people
-    delegate_id: str  # the runtime's id of its delegate in a .pte, e.g. "XnnpackBackend"
+    name: str  # lower case, the first part of its recipes' names
+    title: str  # its name for people
+    delegate_id: str  # the runtime's id of its delegate in a .pte (its BackendDetails class name)
     runs_on: str  # one line: where its .pte runs
     partitioners: Callable[[dict], list]  # (recipe options) -> partitioner instances
     schemes: tuple[str, ...]  # names in quant.schemes.SCHEMES it lowers correctly
@@ -48,6 +48,8 @@ class Backend:
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext
     # What the report records about the compile target of these options (e.g. a SoC and its libraries).
     describe_options: Callable[[dict], dict] = _describes_nothing
+    # Python packages its lowering needs besides torch/executorch/torchao, recorded in every report.
+    packages: tuple[str, ...] = ()
     # PT2E schemes: (scheme, options, module to annotate) -> the quantizer, and the passes its
     # quantized program gets before lowering (ExportedProgram, scheme) -> ExportedProgram.
     pt2e_quantizer: Callable | None = None

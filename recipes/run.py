@@ -24,7 +24,7 @@ from quant.schemes import SCHEMES, apply_scheme
 from recipes import fidelity
 from recipes import generate as gen
 from recipes.lowering import export_program, lower_for_backend, write_atomically
-from recipes.registry import Recipe, check_scheme, get_recipe
+from recipes.registry import Recipe, get_recipe
 
 Progress = Callable[[float, str], None]
 
@@ -55,8 +55,11 @@ class RunRequest:
 def versions() -> dict:
     import importlib.metadata as md
 
+    from recipes.registry import load_backends
+
     found = {}
-    for name in ("torch", "executorch", "torchao", "transformers", "coremltools"):
+    packages = [b for backend in load_backends().backends.values() for b in backend.packages]
+    for name in dict.fromkeys(("torch", "executorch", "torchao", "transformers", *packages)):
         try:
             found[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -87,7 +90,6 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
     from quant.schemes import check_group_size
 
     for recipe in recipes:
-        check_scheme(recipe.backend, recipe.quantization)
         check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
 
 
@@ -250,7 +252,8 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     report = {
         "model": checkpoint.describe(),
         "recipe": {"name": recipe.name, "backend": recipe.backend.name, "quantization": recipe.quantization,
-                   "options": recipe_options(recipe, request), "max_seq_len": request.max_seq_len},
+                   "options": recipe_options(recipe, request), "max_seq_len": request.max_seq_len,
+                   "runs_on": recipe.backend.runs_on},
         "versions": versions(),
         "threads": thread_policy.describe(),
         "timings_s": timings,

@@ -201,12 +201,12 @@ def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path)
 
 
 def test_fused_qkv_quantizes_exactly_as_three_linears(tiny_checkpoint):
-    """The XNNPACK form's qkv_proj holds q, k and v rows in order; 8da4w's int4 groups run along each
+    """A fused qkv_proj holds q, k and v rows in order; 8da4w's int4 groups run along each
     output row, so the fused linear's output is the three separate quantized linears' outputs, concatenated."""
     from models.llama import ExportOptions, build_exportable
     from quant.schemes import quantize_linears_8da4w
 
-    fused = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="custom"))
+    fused = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, fuse_qkv=True))
     separate = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa"))
     fused_attn, separate_attn = fused.model.layers[0].self_attn, separate.model.layers[0].self_attn
     assert not hasattr(fused_attn, "q_proj") and not hasattr(separate_attn, "qkv_proj")

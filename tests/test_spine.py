@@ -37,15 +37,15 @@ def test_module_matches_transformers(tiny_llama_dir, tiny_checkpoint):
     tokens = torch.tensor([[1, 4, 6, 8, 3]])
     with torch.no_grad():
         expected = reference(tokens).logits
-        for attention in ("sdpa", "custom"):
-            module = build_exportable(
-                tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=attention)
-            )
+        forms = [dict(attention="sdpa"), dict(attention="custom", norm="linear-mean", fuse_qkv=True),
+                 dict(attention="custom", fuse_qkv=True)]
+        for form in forms:
+            module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, **form))
             prefill = module(tokens[:, :3], torch.tensor([0]))
             step1 = module(tokens[:, 3:4], torch.tensor([3]))
             step2 = module(tokens[:, 4:5], torch.tensor([4]))
             got = torch.cat([prefill, step1, step2], dim=1)
-            assert (got - expected).abs().max().item() < 1e-4, attention
+            assert (got - expected).abs().max().item() < 1e-4, form
 
 
 def test_delegation_table_of_fp32(tiny_fp32_lowered):
@@ -75,7 +75,8 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert report["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
     assert report["pte"]["bytes"] == len(pte)
     assert report["recipe"] == {"name": "xnnpack-8da4w", "backend": "xnnpack", "quantization": "8da4w",
-                                "options": {"group_size": 32}, "max_seq_len": 64}
+                                "options": {"group_size": 32}, "max_seq_len": 64,
+                                "runs_on": "any CPU with the ExecuTorch runtime: Linux, macOS, Windows, Android, iOS"}
     assert report["model"]["source"] == "local-folder" and report["model"]["architecture"] == "LlamaForCausalLM"
     assert set(report["versions"]) >= {"torch", "executorch", "torchao", "transformers"}
     assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}

@@ -3,9 +3,10 @@ ExecuTorch runtime built with the Vulkan backend, which the executorch wheel doe
 shows the same module run eagerly in PyTorch, labelled, with the reason.
 
 Module form: ExecuTorch's llama::update_cache + llama::custom_sdpa, which Vulkan implements for dynamic
-shapes, so every layer (cache writes and attention included) is one delegate; with aten SDPA the cache
-writes (index_put, slice_scatter) and the mask ops fall out of it. q/k/v fused: the same delegation with
-fewer nodes. The token dimension stays dynamic (require_dynamic_shapes), as ExecuTorch's own Llama export
+shapes, so the whole decoder stack (cache writes and attention included) is one delegate; in the aten SDPA
+forms the cache writes (index_put, slice_scatter) and mask ops are not delegable with dynamic shapes. Norms in Hugging Face's form, which
+Vulkan's preprocessing fuses into one et_vk.rms_norm each. q/k/v fused: the same delegation with fewer
+nodes. The token dimension stays dynamic (require_dynamic_shapes), as ExecuTorch's own Llama export
 does: only the rope-table lookup (index_select) and the position arange run outside."""
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ BACKEND = Backend(
     delegate_id=DELEGATE_ID,
     runs_on="devices with a Vulkan 1.1 GPU (Android first) on an ExecuTorch runtime built with its Vulkan backend",
     partitioners=vulkan_partitioners(force_fp16=False),
-    schemes=("fp32",),
+    schemes=("fp32", "int4-weight"),
     refused={
         "fp16": "use the vulkan-fp16 recipe: the Vulkan delegate computes in fp16 itself (force_fp16)",
     },
@@ -82,4 +83,8 @@ RECIPES = (
     # The module stays fp32: the delegate stores weights and computes in fp16 (ExecuTorch's force_fp16).
     recipe(BACKEND, "fp32", "Vulkan GPU, fp16 compute", name="vulkan-fp16",
            partitioners=vulkan_partitioners(force_fp16=True)),
+    # torchao's int4 weight-only linears (symmetric, group 32): Vulkan's preprocessing turns each
+    # dequantize_affine + linear into its int4 kernel, et_vk.linear_q4gsw, on the packed int4 weights.
+    recipe(BACKEND, "int4-weight", "Vulkan GPU, int4 weights (group 32), fp32 activations", name="vulkan-int4",
+           options={"group_size": 32}),
 )

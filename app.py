@@ -158,8 +158,8 @@ def backends() -> dict[str, list]:
 
     load_backends()
     grouped: dict[str, list] = {}
-    for recipe in sorted(RECIPES.values(), key=lambda r: (r.backend, r.name)):
-        grouped.setdefault(recipe.backend, []).append(recipe)
+    for recipe in sorted(RECIPES.values(), key=lambda r: (r.backend.name, r.name)):
+        grouped.setdefault(recipe.backend.name, []).append(recipe)
     return grouped
 
 

@@ -65,9 +65,9 @@ def runtime_engine_step(pte: str, positions: str):
     positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
     forward(input_ids, cache_position[T]). Without the policy's OpenMP default (--stock-threads) the
     step's per-call thread setting does nothing, so the same step serves both."""
-    from recipes.xnnpack import _RUNTIME_IMPORTS
+    from recipes.xnnpack import BACKEND
 
-    step = gen.runtime_step(gen.load_runtime_method(pte, _RUNTIME_IMPORTS))
+    step = gen.runtime_step(gen.load_runtime_method(pte, BACKEND.runtime_imports))
     if positions == "start":
         return step
 

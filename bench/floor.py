@@ -86,7 +86,7 @@ class _Norms(nn.Module):
         super().__init__()
         from models.llama import RMSNorm
 
-        self.norms = nn.ModuleList(RMSNorm(HIDDEN, 1e-5, xnnpack_form=True) for _ in range(count))
+        self.norms = nn.ModuleList(RMSNorm(HIDDEN, 1e-5, form="linear-mean") for _ in range(count))
         self.xnnpack_mean = xnnpack_mean
 
     def forward(self, x):
@@ -112,7 +112,7 @@ class _Attention(nn.Module):
         shape = LlamaShape(vocab_size=1, hidden=HIDDEN, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
                            n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, attention_bias=False,
                            mlp_bias=False, max_position_embeddings=MAX_SEQ_LEN)
-        options = ExportOptions(max_seq_len=MAX_SEQ_LEN, attention="custom")
+        options = ExportOptions(max_seq_len=MAX_SEQ_LEN, attention="custom", fuse_qkv=True)
         self.layers = nn.ModuleList(Attention(shape, options) for _ in range(LAYERS))
         for layer in self.layers:  # the probe calls only the cache methods: no projection weights in its program
             del layer.qkv_proj, layer.o_proj
@@ -132,14 +132,14 @@ def _lower_attention():
     delegable, so it runs on ExecuTorch's kernels as in the real program."""
     from recipes.generate import load_runtime_method
     from recipes.lowering import lower_to_pte
-    from recipes.xnnpack import _RUNTIME_IMPORTS, xnnpack_partitioners
+    from recipes.xnnpack import BACKEND, xnnpack_partitioners
 
     example = (torch.randn(1, 1, HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM),
                torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.tensor([DECODE_POSITIONS[0]]))
     with torch.no_grad():
         program = torch.export.export(_Attention().eval(), example, strict=False)
-    lowered = lower_to_pte(program, xnnpack_partitioners({}))
-    return load_runtime_method(lowered.pte, _RUNTIME_IMPORTS)
+    lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
+    return load_runtime_method(lowered.pte, BACKEND.runtime_imports)
 
 
 def _time_attention(attention, streamer, x) -> tuple[float, float]:
@@ -172,7 +172,7 @@ def _lower(module: nn.Module, quantize: bool):
     from quant.schemes import quantize_linears_8da4w
     from recipes.generate import load_runtime_method
     from recipes.lowering import lower_to_pte
-    from recipes.xnnpack import xnnpack_partitioners
+    from recipes.xnnpack import BACKEND, xnnpack_partitioners
 
     module.eval()
     if quantize:
@@ -180,7 +180,7 @@ def _lower(module: nn.Module, quantize: bool):
     tokens = torch.export.Dim("seq_len", min=1, max=MAX_SEQ_LEN)
     with torch.no_grad():
         program = torch.export.export(module, (torch.randn(1, 2, HIDDEN),), dynamic_shapes=({1: tokens},), strict=False)
-    lowered = lower_to_pte(program, xnnpack_partitioners({}))
+    lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
     if lowered.delegation["non_delegated_nodes"] > len(program.graph_signature.user_outputs) + 1:
         raise RuntimeError(f"probe {type(module).__name__} left work outside XNNPACK: {lowered.delegation}")
     return load_runtime_method(lowered.pte)

@@ -10,9 +10,9 @@ import time
 
 from bench.checkpoints import truncated
 from models.checkpoint import load_folder
-from models.llama import ExportOptions, build_exportable
+from models.llama import build_exportable
 from quant.schemes import apply_scheme
-from recipes.lowering import export_program, lower_to_pte
+from recipes.lowering import export_program, lower_for_backend
 from recipes.registry import get_recipe
 
 
@@ -21,13 +21,13 @@ def export_recipe(config, state: dict, recipe_name: str, max_seq_len: int) -> tu
     recipe = get_recipe(recipe_name)
     timings = {}
     start = time.perf_counter()
-    module = build_exportable(config, state, ExportOptions(max_seq_len, attention=recipe.attention, dtype=recipe.dtype))
+    module = build_exportable(config, state, recipe.export_options(max_seq_len))
     apply_scheme(module, recipe.quantization, recipe.options.get("group_size"))
     timings["quantize"] = time.perf_counter() - start
     start = time.perf_counter()
-    program = export_program(module, max_seq_len)
+    program = export_program(module, max_seq_len, strict=recipe.backend.strict_export)
     timings["export"] = time.perf_counter() - start
-    lowered = lower_to_pte(program, recipe.partitioners(recipe.options))
+    lowered = lower_for_backend(program, recipe.backend, recipe.make_partitioners(recipe.options))
     timings["lower"], timings["serialize"] = lowered.lower_s, lowered.serialize_s
     return timings, lowered
 

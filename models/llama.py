@@ -1,18 +1,20 @@
 """A Llama decoder with a static KV cache, written for torch.export.
 
 One program serves prefill and decode: forward(tokens[1, T], input_pos[1]) -> logits[1, T, vocab].
-The K/V caches are the module's only state (Core ML takes them over as state; ExecuTorch plans them
-as mutable buffers). Backend-specific choices are options of this one module:
+The K/V caches are the module's only state (a backend may take them over as its own state; ExecuTorch
+plans them as mutable buffers). The forms a backend delegates best are options of this one module, chosen
+by the backend (recipes/<backend>.py), never named here:
   attention="sdpa"    aten scaled_dot_product_attention + index_put cache update (portable; eager reference)
-  attention="custom"  ExecuTorch's llama::update_cache + llama::custom_sdpa ops (XNNPACK fast path:
-                      attends only to the filled part of the cache)
+  attention="custom"  ExecuTorch's llama::update_cache + llama::custom_sdpa ops (attend only to the filled
+                      part of the cache)
   attention="sdpa-slice"  aten SDPA, cache written as one slice at input_pos[0], causal mask built by
-                      comparison: the forms coremltools converts (its index_put takes one position
-                      only, its gather takes no bool tensor)
+                      comparison (no index_put of several positions, no gather of a bool tensor)
   attention="sdpa-onehot" aten SDPA, cache updated by a one-hot matmul + blend and the causal mask made
-                      once per call: no int64 index_put in the layers (QNN HTP)
-Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is (the XNNPACK form's fused
-qkv_proj is concatenated from q_proj, k_proj and v_proj on load).
+                      once per call: no int64 index_put in the layers
+  norm="hf" | "linear-mean"   RMSNorm as Hugging Face writes it, or with mean(x²) as a linear
+  fuse_qkv            q/k/v as one linear
+Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is (a fused qkv_proj is
+concatenated from q_proj, k_proj and v_proj on load).
 """
 from __future__ import annotations
 
@@ -23,41 +25,41 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_KINDS = ("sdpa", "custom", "sdpa-slice", "sdpa-onehot")
-XNNPACK_ATTENTION = ("custom", "sdpa")  # the forms XNNPACK recipes use: norms in XNNPACK's delegable form
+NORM_FORMS = ("hf", "linear-mean")
 
 
 @dataclass(frozen=True)
 class ExportOptions:
+    """Module options only; the pipeline builds them from the recipe's backend."""
+
     max_seq_len: int = 512
-    attention: str = "custom"
+    attention: str = "sdpa"
+    norm: str = "hf"
+    # q/k/v as one linear (qkv_proj): one weight read, one dynamic activation quantization and one kernel
+    # call instead of three each, per layer and token. Per output row the int4 groups are the same as in
+    # three linears, so a group-wise scheme quantizes the fused weight exactly alike; a static per-tensor
+    # output range, though, would be shared by q, k and v.
+    fuse_qkv: bool = False
     dtype: torch.dtype = torch.float32
 
 
-def fuses_qkv(options: ExportOptions) -> bool:
-    """q/k/v as one linear (qkv_proj) in the XNNPACK fast path: one weight read, one dynamic activation
-    quantization and one kernel call instead of three each, per layer and token. Per output row the int4
-    groups are the same as in three linears, so 8da4w quantizes the fused weight exactly alike. The other
-    forms keep three: QNN quantizes each linear's output with one static range, which q, k and v must not share."""
-    return options.attention == "custom"
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, xnnpack_form: bool = False):
+    def __init__(self, dim: int, eps: float, form: str = "hf"):
         super().__init__()
+        if form not in NORM_FORMS:
+            raise ValueError(f"norm must be one of {NORM_FORMS}, got {form!r}")
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.xnnpack_form = xnnpack_form
-        if xnnpack_form:
-            # mean(x²) + ε as one fp32 linear, a 1/dim row with ε as its bias. XNNPACK's mean is a global
-            # average pooling that takes only 4-D channels-last input, so it comes with two layout changes:
-            # a norm took 1.66 µs on the runtime with it and 1.49 µs in this form (bench/floor.py, 2 threads),
-            # and decode got 2 % faster.
+        self.linear_mean = form == "linear-mean"
+        if self.linear_mean:
+            # mean(x²) + ε as one fp32 linear, a 1/dim row with ε as its bias: for a backend whose mean
+            # needs layout changes around it while its linears are the fastest op it has.
             self.register_buffer("mean_row", torch.empty(1, dim), persistent=False)
             self.register_buffer("eps_bias", torch.empty(1), persistent=False)
             self.fill_constants()
 
     def fill_constants(self) -> None:
-        if self.xnnpack_form and self.mean_row.device.type != "meta":
+        if self.linear_mean and self.mean_row.device.type != "meta":
             self.mean_row.fill_(1.0 / self.mean_row.shape[1])
             self.eps_bias.fill_(self.eps)
 
@@ -65,7 +67,7 @@ class RMSNorm(nn.Module):
         # The norm computes in fp32 whatever the model's dtype, so a model-wide .to(float16) must leave its
         # constants fp32 and exact.
         super()._apply(fn, recurse)
-        if self.xnnpack_form and self.mean_row.dtype != torch.float32:
+        if self.linear_mean and self.mean_row.dtype != torch.float32:
             self.mean_row, self.eps_bias = self.mean_row.float(), self.eps_bias.float()
             self.fill_constants()
         return self
@@ -73,10 +75,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in fp32 like Hugging Face, so fp16 models do not overflow in the variance.
         x32 = x.float()
-        if self.xnnpack_form:
-            # The norm stays inside the delegate instead of splitting every layer.
+        if self.linear_mean:
             return self.weight * (x32 * torch.rsqrt(F.linear(x32 * x32, self.mean_row, self.eps_bias))).to(x.dtype)
-        # Hugging Face's form: QNN's RecomposeRmsNorm turns exactly this pattern into one rms_norm op.
+        # Hugging Face's form: the pattern backends recompose into one rms_norm op.
         variance = x32.pow(2).mean(-1, keepdim=True)
         x32 = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -109,7 +110,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
         self.attention = options.attention
         hidden, bias = shape.hidden, shape.attention_bias
-        self.fused_qkv = fuses_qkv(options)
+        self.fused_qkv = options.fuse_qkv
         if self.fused_qkv:
             # q, k and v heads from one linear (build_exportable concatenates the checkpoint's weights)
             n_all = self.n_heads + 2 * self.n_kv_heads
@@ -129,16 +130,16 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, start_pos, positions, mask):
         # x: [1, T, hidden]; rope: cos, sin [1, T, 1 or all heads, head_dim] and, fused, the rotate_half matrix
-        # Views say -1 for T rather than a symbolic size: XNNPACK delegates only that form.
+        # Views say -1 for T rather than a symbolic size: some partitioners delegate only that form.
         bsz, seq_len, _ = x.shape
         cos, sin, rotation = rope
         if self.fused_qkv:
             # Rope on all heads at once, with cos 1 and sin 0 on the v heads (exact: v * 1 + R(v) * 0 == v),
-            # then split. XNNPACK slices no dynamic-length tensor, so the split must come after everything the
-            # delegate takes: here it feeds only update_cache and custom_sdpa, which run outside it anyway.
+            # then split, so that a partitioner that slices no dynamic-length tensor meets the split only where
+            # the attention ops take over.
             qkv = self.qkv_proj(x).view(bsz, -1, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-            # rotate_half as a product with a constant signed permutation: XNNPACK takes no slice of a
-            # dynamic-length tensor, so the slicing form would cut every layer into two more partitions.
+            # rotate_half as a product with a constant signed permutation: no slice of a dynamic-length tensor,
+            # which would cut every layer into two more partitions there.
             qkv = qkv * cos + F.linear(qkv, rotation) * sin
             q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
         else:
@@ -154,7 +155,7 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if self.attention == "sdpa-onehot":
                 # positions holds one-hot rows [T, max_seq_len]: the update is a matmul and a blend, all
-                # float ops (QNN HTP takes no int64 index_put), so it stays inside the delegate.
+                # float ops (no int64 index_put), so it stays inside a delegate that takes float ops only.
                 keep = 1.0 - positions.sum(0)[:, None]
                 self.k_cache.copy_(self.k_cache * keep + torch.matmul(positions.transpose(0, 1), k))
                 self.v_cache.copy_(self.v_cache * keep + torch.matmul(positions.transpose(0, 1), v))
@@ -166,7 +167,7 @@ class Attention(nn.Module):
                 self.v_cache[:, :, positions] = v
             keys, values = self.k_cache, self.v_cache
             if self.n_kv_heads != self.n_heads and self.attention == "sdpa-onehot":
-                # 4-D slices + expand + cat: repeat_interleave goes through a 5-D view HTP rejects
+                # 4-D slices + expand + cat: repeat_interleave goes through a 5-D view
                 repeat = self.n_heads // self.n_kv_heads
                 keys = torch.cat([keys[:, h : h + 1].expand(-1, repeat, -1, -1) for h in range(self.n_kv_heads)], dim=1)
                 values = torch.cat([values[:, h : h + 1].expand(-1, repeat, -1, -1) for h in range(self.n_kv_heads)], dim=1)
@@ -178,8 +179,8 @@ class Attention(nn.Module):
             out = out.transpose(1, 2)
         return self.o_proj(out.reshape(bsz, -1, self.n_heads * self.head_dim))
 
-    # The two steps of the XNNPACK path that run outside the delegate, as methods of their own so
-    # bench/breakdown.py can time the program without each of them.
+    # The two steps of the custom-ops path, as methods of their own so bench/breakdown.py can time the
+    # program without each of them.
     def write_cache_custom(self, k, v, start_pos) -> None:
         torch.ops.llama.update_cache(k, self.k_cache, start_pos)
         torch.ops.llama.update_cache(v, self.v_cache, start_pos)
@@ -194,9 +195,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(shape, options)
         self.mlp = MLP(shape.hidden, shape.intermediate, shape.mlp_bias)
-        xnnpack_form = options.attention in XNNPACK_ATTENTION
-        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, xnnpack_form)
-        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, xnnpack_form)
+        self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.norm)
+        self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.norm)
 
     def forward(self, x, rope, start_pos, positions, mask):
         x = x + self.self_attn(self.input_layernorm(x), rope, start_pos, positions, mask)
@@ -242,7 +242,7 @@ class _Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
         self.layers = nn.ModuleList(DecoderLayer(shape, options) for _ in range(shape.n_layers))
-        self.norm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.attention in XNNPACK_ATTENTION)
+        self.norm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.norm)
 
 
 def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +275,7 @@ class LlamaForExport(nn.Module):
         cos, sin = rope_tables(config, options.max_seq_len)
         self.register_buffer("rope_cos", cos.to(options.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(options.dtype), persistent=False)
-        if fuses_qkv(options):
+        if options.fuse_qkv:
             rotation = rotate_half_matrix(self.shape.head_dim).to(options.dtype)
             self.register_buffer("rope_rotation", rotation, persistent=False)
             self.register_buffer("rope_heads", rope_head_mask(self.shape).to(options.dtype), persistent=False)
@@ -303,7 +303,7 @@ class LlamaForExport(nn.Module):
         # [1, T, 1, head_dim], made once here rather than in every layer
         cos = self.rope_cos.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
         sin = self.rope_sin.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
-        if fuses_qkv(self.options):
+        if self.options.fuse_qkv:
             # per head of the fused q/k/v: the tables on q and k heads, cos 1 and sin 0 on v heads
             cos = cos * self.rope_heads + (1.0 - self.rope_heads)
             sin = sin * self.rope_heads
@@ -349,7 +349,7 @@ def build_exportable(config, state_dict: dict[str, torch.Tensor], options: Expor
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     weights = {k: v.to(options.dtype) for k, v in weights.items()}
-    if fuses_qkv(options):
+    if options.fuse_qkv:
         weights = fuse_qkv_weights(weights)
     missing, unexpected = module.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
@@ -366,7 +366,7 @@ def build_exportable(config, state_dict: dict[str, torch.Tensor], options: Expor
     cos, sin = rope_tables(config, options.max_seq_len)
     module.rope_cos.copy_(cos.to(options.dtype))
     module.rope_sin.copy_(sin.to(options.dtype))
-    if fuses_qkv(options):
+    if options.fuse_qkv:
         module.rope_rotation.copy_(rotate_half_matrix(module.shape.head_dim).to(options.dtype))
         module.rope_heads.copy_(rope_head_mask(module.shape).to(options.dtype))
     if options.attention == "sdpa":

@@ -8,6 +8,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from quant.pt2e import quantize_pt2e
+
 
 @dataclass(frozen=True)
 class Scheme:
@@ -18,8 +20,8 @@ class Scheme:
     description: str
     apply: Callable[[nn.Module, int], None] | None = None  # (module, group_size) -> None, in place
     default_group_size: int | None = None
-    # (program, calibration inputs [(tokens, input_pos), ...], recipe options)
-    #   -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
+    # quant.pt2e.quantize_pt2e: (program, calibration inputs, the backend's quantizer factory, static tokens,
+    # max_seq_len) -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
     quantize_exported: Callable | None = None
 
 
@@ -52,7 +54,7 @@ def quantize_linears_8da4w(module: nn.Module, group_size: int) -> None:
 
 def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int | None) -> None:
     """Weight-only linears (activations stay float): torchao leaves dequantize_affine + linear in the
-    graph, which Core ML takes whole and stores as compressed weights (int4 block-wise, int8 per channel)."""
+    graph, for a backend that takes the pair whole and stores compressed weights (int4 block-wise, int8 per channel)."""
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
 
@@ -112,6 +114,13 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w),
         Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16),
+        # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.
+        Scheme("16a4w", "PT2E, calibrated: 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer",
+               quantize_exported=quantize_pt2e),
+        Scheme("16a8w", "PT2E, calibrated: 16-bit activations, 8-bit per-channel weights",
+               quantize_exported=quantize_pt2e),
+        Scheme("8a8w", "PT2E, calibrated: 8-bit activations, 8-bit per-channel weights",
+               quantize_exported=quantize_pt2e),
     )
 }
 
@@ -122,8 +131,7 @@ def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None) 
         spec.apply(module, group_size or spec.default_group_size or 0)
 
 
-# Group sizes offered for group-wise schemes (XNNPACK's block-wise int4 kernels and Core ML's
-# block-wise palettes take multiples of 32).
+# Group sizes offered for group-wise schemes (block-wise int4 kernels and palettes take multiples of 32).
 GROUP_SIZES = (32, 64, 128, 256)
 
 

@@ -33,15 +33,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def list_recipes() -> str:
-    from recipes.registry import RECIPES, load_backends
+    from recipes.registry import compatibility_table, load_backends
 
-    load_backends()
+    registry = load_backends()
     lines = [f"{'recipe':<18} {'backend':<9} {'quantization':<14} description"]
-    for recipe in sorted(RECIPES.values(), key=lambda r: r.name):
-        lines.append(f"{recipe.name:<18} {recipe.backend:<9} {recipe.quantization:<14} {recipe.description}")
-    from quant.compatibility import compatibility_table
-
+    for recipe in sorted(registry.recipes.values(), key=lambda r: r.name):
+        lines.append(f"{recipe.name:<18} {recipe.backend.name:<9} {recipe.quantization:<14} {recipe.description}")
+    lines += ["", "where each backend's .pte runs:"]
+    lines += [f"  {backend.name:<9} {backend.runs_on}" for backend in registry.backends.values()]
     lines += ["", "schemes each backend takes (--group-size applies to group-wise schemes):", compatibility_table()]
+    if registry.unavailable:
+        lines += ["", "unavailable backend modules:"]
+        lines += [f"  {module}: {why}" for module, why in registry.unavailable.items()]
     return "\n".join(lines)
 
 

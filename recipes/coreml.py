@@ -3,7 +3,7 @@
 import platform
 
 from errors import UserFacingError
-from recipes.registry import Recipe, register
+from recipes.registry import Backend, recipe
 
 COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_AND_GPU", "cpu_only": "CPU_ONLY"}
 
@@ -39,23 +39,32 @@ def needs_apple_os() -> str | None:
     )
 
 
-def _coreml(name: str, quantization: str, precision: str, description: str, **options) -> Recipe:
-    return register(
-        Recipe(
-            name=name,
-            backend="coreml",
-            quantization=quantization,
-            description=description,
-            partitioners=coreml_partitioners(precision),
-            attention="sdpa-slice",
-            # The module stays fp32: Core ML's compute precision casts weights and ops to fp16 itself.
-            cannot_run_here=needs_apple_os,
-            options={"compute_units": "all", **options},
-        )
-    )
+BACKEND = Backend(
+    name="coreml",
+    title="Core ML",
+    delegate_id="CoreMLBackend",
+    runs_on="Apple OSes only: it needs macOS (15+) or iOS (18+), where Core ML exists",
+    partitioners=coreml_partitioners("fp16"),
+    # fp16 on Core ML is a compute precision of the fp32 scheme (recipe coreml-fp16), not a cast.
+    schemes=("fp32", "int4-weight", "int8-weight"),
+    refused={
+        "fp16": "use the coreml-fp16 recipe: Core ML casts to fp16 itself (compute precision)",
+        "8da4w": "Core ML has no dynamic activation quantization; use int4-weight",
+    },
+    cannot_run_here=needs_apple_os,
+    packages=("coremltools",),
+    # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
+    # one slice and the causal mask built by comparison.
+    attention="sdpa-slice",
+)
 
-
-_coreml("coreml-fp16", "fp32", "fp16", "Core ML, fp16 compute (default)")
-_coreml("coreml-fp32", "fp32", "fp32", "Core ML, fp32 compute")
-_coreml("coreml-int8", "int8-weight", "fp16", "Core ML, int8 per-channel weights, fp16 compute")
-_coreml("coreml-int4", "int4-weight", "fp16", "Core ML, int4 weights (group 32), fp16 compute", group_size=32)
+# The module stays fp32: Core ML's compute precision casts weights and ops to fp16 itself.
+RECIPES = (
+    recipe(BACKEND, "fp32", "Core ML, fp16 compute (default)", name="coreml-fp16", options={"compute_units": "all"}),
+    recipe(BACKEND, "fp32", "Core ML, fp32 compute", options={"compute_units": "all"},
+           partitioners=coreml_partitioners("fp32")),
+    recipe(BACKEND, "int8-weight", "Core ML, int8 per-channel weights, fp16 compute", name="coreml-int8",
+           options={"compute_units": "all"}),
+    recipe(BACKEND, "int4-weight", "Core ML, int4 weights (group 32), fp16 compute", name="coreml-int4",
+           options={"compute_units": "all", "group_size": 32}),
+)

@@ -130,8 +130,8 @@ def eager_step(module: torch.nn.Module) -> Callable:
 
 
 def _static_tokens_per_call(module: torch.nn.Module) -> int | None:
-    """The fixed token count of a program exported with static shapes (QNN's, via program.module()),
-    or None when the module takes any number of tokens."""
+    """The fixed token count of a program exported with static shapes (Backend.static_tokens, via
+    program.module()), or None when the module takes any number of tokens."""
     if not isinstance(module, torch.fx.GraphModule):
         return None
     tokens = next((n for n in module.graph.nodes if n.op == "placeholder"), None)
@@ -154,7 +154,7 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
     except RuntimeError as err:
         missing = [b for b in delegate_backends(pte) if not runtime.backend_registry.is_available(b)]
         if missing:
-            where = "; ".join(f"{b} programs run on {BACKEND_HOSTS.get(b, 'a runtime built with that backend')}" for b in missing)
+            where = "; ".join(f"{b} programs run on {_runs_on(b)}" for b in missing)
             raise UserFacingError(
                 f"this .pte delegates to {', '.join(missing)}, which this ExecuTorch runtime does not have "
                 f"(it has {', '.join(runtime.backend_registry.registered_backend_names) or 'none'}); {where}."
@@ -164,12 +164,12 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
     return program, method
 
 
-# Where a delegate backend's programs can run, for the message when this runtime lacks the backend.
-BACKEND_HOSTS = {
-    "CoreMLBackend": "Apple OSes only: it needs macOS (15+) or iOS (18+), where Core ML exists",
-    "MPSBackend": "Apple OSes only: it needs macOS or iOS with Metal",
-    "QnnBackend": "Android or Linux devices with a Qualcomm NPU and the QNN runtime libraries",
-}
+def _runs_on(delegate_id: str) -> str:
+    """Where a delegate's programs run, from the registered backend of that delegate id."""
+    from recipes.registry import backend_for_delegate
+
+    backend = backend_for_delegate(delegate_id)
+    return backend.runs_on if backend is not None else "a runtime built with that backend"
 
 
 def delegate_backends(pte: Path | bytes) -> list[str]:
@@ -207,10 +207,9 @@ def runtime_step(loaded, warm: bool = True) -> Callable:
 
 def warm_up(step: Callable) -> None:
     """One decode-shaped call (token 0 at position 0), made when a program is loaded so that a generation
-    measures the program and not its one-time setup. On its first call an XNNPACK program plans its
-    workspace for the longest sequence it accepts and zeroes it: 19 MB in three growing buffers for the
-    built-in model at a context of 512 (4,800 fresh pages, ~10 ms), which would otherwise land in the first
-    prefill (README, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
+    measures the program and not its one-time setup. On its first call a delegate may plan its workspace
+    for the longest sequence it accepts and zero it, which would otherwise land in the first prefill
+    (README, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
     cache row it writes is harmless: a generation's prefill starts at position 0 and rewrites it, and
     attention never reads a row past the current position."""
     step(torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))

@@ -2,6 +2,7 @@
 executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte bytes, written atomically."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -9,6 +10,7 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
+from typing import Callable, ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +48,8 @@ class _EdgeOpCounter:
 
 
 class _PartitionerLog(logging.Handler):
-    """Collects what partitioners log while lowering (Core ML's "Skipping op ..." messages at INFO,
-    XNNPACK's WhyNoPartition at DEBUG) and passes on to the usual handlers what they would have shown."""
+    """Collects what partitioners log while lowering ("Skipping op ..." messages at INFO, WhyNoPartition
+    records at DEBUG) and passes on to the usual handlers what they would have shown."""
 
     def __init__(self, shown_level: int):
         super().__init__(logging.DEBUG)
@@ -101,10 +103,9 @@ def _record_preserved_ops(partitioners: list) -> dict[str, list[str]]:
 
 def _skip_redundant_decomposition(partitioners: list) -> None:
     """to_edge_transform_and_lower decomposes the whole program three times for a partitioner that gives a
-    per-node check with its ops to preserve (XNNPACK does): once to functionalize, once keeping the ops, and
-    once more after hiding the nodes that pass the check, to decompose the ones that fail it. When every such
-    node passes, that third whole-graph decomposition changes nothing (a fifth of XNNPACK lowering time on a
-    Llama). So when the check passes all of them on the functionalized program it is shown, this says "no
+    per-node check with its ops to preserve: once to functionalize, once keeping the ops, and once more after
+    hiding the nodes that pass the check, to decompose the ones that fail it. When every such node passes,
+    that third whole-graph decomposition changes nothing, at the cost of a whole decomposition. So when the check passes all of them on the functionalized program it is shown, this says "no
     check", which takes ExecuTorch's two-decomposition path; otherwise the check goes through unchanged."""
     for partitioner in partitioners:
         original = partitioner.ops_to_not_decompose
@@ -120,18 +121,14 @@ def _skip_redundant_decomposition(partitioners: list) -> None:
         partitioner.ops_to_not_decompose = ops_to_not_decompose
 
 
-def export_program(module: torch.nn.Module, max_seq_len: int) -> torch.export.ExportedProgram:
-    """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len)."""
+def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = True) -> torch.export.ExportedProgram:
+    """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len).
+    strict: the backend's export mode (Backend.strict_export). Non-strict export is faster, but not every
+    module form gives the same program through it: non-strict tracing of the sdpa-slice cache write with
+    grouped KV heads adds a guard that refuses seq_len == max_seq_len."""
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
     seq = torch.export.Dim("seq_len", min=1, max=max_seq_len)
     with torch.no_grad():
-        # Non-strict export takes a third of strict's time (7 s instead of 23 s for SmolLM2's 30 layers) and,
-        # for the XNNPACK form of our module (attention="custom"), gives the same program: bit-identical
-        # logits on the runtime, fp32 and 8da4w. The other forms stay strict: non-strict tracing of the
-        # sdpa-slice cache write with grouped KV heads adds a guard that refuses seq_len == max_seq_len, and
-        # transformers' TorchExportableModuleWithStaticCache exported non-strict dies in run_decompositions.
-        options = getattr(module, "options", None)
-        strict = getattr(options, "attention", None) != "custom"
         return torch.export.export(module, example, dynamic_shapes=({1: seq}, None), strict=strict)
 
 
@@ -140,12 +137,17 @@ def lower_to_pte(
     partitioners: list,
     transform_passes: list | None = None,
     compile_config=None,
+    lowering_context: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> LoweredProgram:
+    """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
+    and to_executorch and left before this returns."""
+    with lowering_context():
+        return _lower(program, partitioners, transform_passes, compile_config)
+
+
+def _lower(program, partitioners, transform_passes, compile_config) -> LoweredProgram:
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from recipes import dependency_patches
-
-    dependency_patches.apply()
     counter = _EdgeOpCounter()
     _skip_redundant_decomposition(partitioners)
     preserved = _record_preserved_ops(partitioners)
@@ -174,6 +176,18 @@ def lower_to_pte(
     serialize_s = time.perf_counter() - start
     return LoweredProgram(
         pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+    )
+
+
+def lower_for_backend(program: torch.export.ExportedProgram, backend, partitioners: list) -> LoweredProgram:
+    """lower_to_pte with what the backend (a recipes.registry.Backend) adds: its edge compile config, its
+    transform passes and its lowering context."""
+    return lower_to_pte(
+        program,
+        partitioners,
+        transform_passes=backend.transform_passes() if backend.transform_passes else None,
+        compile_config=backend.edge_compile_config() if backend.edge_compile_config else None,
+        lowering_context=backend.lowering_context,
     )
 
 

@@ -26,6 +26,8 @@ def model_card(report: dict) -> str:
               f"An ExecuTorch program (`model.pte`) of [{base}](https://huggingface.co/{base}) made by Lowerbench "
               f"with the `{recipe['name']}` recipe: backend {recipe['backend']}, quantization "
               f"`{recipe['quantization']}`, max context {recipe['max_seq_len']} tokens.", ""]
+    if recipe.get("runs_on"):
+        lines += [f"It runs on {recipe['runs_on']}.", ""]
     if model.get("revision"):
         lines += [f"Base model revision: `{model['revision']}`.", ""]
     options = recipe.get("options") or {}

@@ -1,4 +1,4 @@
-"""Qualcomm QNN (HTP): QnnQuantizer through torchao's PT2E flow (quant/pt2e.py), then QnnPartitioner
+"""Qualcomm QNN (HTP): QnnQuantizer (built here) through torchao's PT2E flow (quant/pt2e.py), then QnnPartitioner
 compiles the graph into a QNN context binary inside the .pte. The .pte runs only on a Snapdragon
 device; here the column shows the PT2E-simulated model (engine eager-qnn-simulated).
 
@@ -19,8 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch  # before any QNN library: loading them first crashed the adaptor ("Pure virtual function called")
+
 from errors import UserFacingError
-from recipes.registry import Recipe, register
+from quant.pt2e import is_output_layer, share_kv_cache_encoding
+from recipes.registry import Backend, recipe
 
 QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK executorch 1.4.1 is built against
 HOST_LIB_DIR = Path("lib") / "x86_64-linux-clang"
@@ -152,8 +155,6 @@ def load_qnn_libraries() -> LoadedQnn:
         os.environ["QNN_SDK_ROOT"] = str(_sdk_root_for(libraries))
         return _LOADED
     os.environ["QNN_SDK_ROOT"] = str(_sdk_root_for(libraries))
-    import torch  # noqa: F401  (loading QNN libraries before torch and the adaptor crashed: "Pure virtual function called")
-
     import_qnn_backend()
     from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
 
@@ -247,18 +248,72 @@ def chipset(options: dict):
 
 
 def qnn_partitioners(options: dict) -> list:
-    loaded = load_qnn_libraries()
+    load_qnn_libraries()
     from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
     from executorch.backends.qualcomm.utils.utils import (
         generate_htp_compiler_spec,
         generate_qnn_executorch_compiler_spec,
     )
 
-    soc, arch = chipset(options)
-    # `options` is the report's recipe options: record what this .pte was compiled for, and with what.
-    options.update(soc=soc.name, htp_arch=arch, qnn_libraries=loaded.label)
+    soc, _arch = chipset(options)
     specs = generate_qnn_executorch_compiler_spec(soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False))
     return [QnnPartitioner(specs)]
+
+
+def describe_qnn_options(options: dict) -> dict:
+    """What this .pte was compiled for, and with which libraries (loaded by qnn_partitioners)."""
+    soc, arch = chipset(options)
+    return {"soc": soc.name, "htp_arch": arch, "qnn_libraries": load_qnn_libraries().label}
+
+
+# scheme -> QuantDtype member of executorch.backends.qualcomm.quantizer.quantizer
+QNN_QUANT_DTYPES = {"16a4w": "use_16a4w", "16a8w": "use_16a8w", "8a8w": "use_8a8w"}
+
+# 16a4w as ExecuTorch's own Qualcomm LLM recipes make it (examples/qualcomm/oss_scripts/llama/
+# static_llm_quant_recipe.py): 4-bit weights in blocks of 32 input channels (QNN's LPBQ block-wise expansion),
+# and the output layer in 8-bit; per output channel, 4 bits lose far more perplexity (docs/qnn.md).
+QNN_16A4W_BLOCK = 32
+BLOCK_QUANTIZED_SCHEMES = ("16a4w",)
+
+
+def qnn_quantizer(scheme: str, options: dict, module: torch.fx.GraphModule):
+    """The QnnQuantizer for `scheme`; module: the graph it will annotate (16a4w's block sizes are per node)."""
+    soc, _arch = chipset(options)  # also imports executorch.backends.qualcomm without an SDK download
+    from executorch.backends.qualcomm.quantizer.quantizer import ModuleQConfig, QnnQuantizer, QuantDtype
+
+    quantizer = QnnQuantizer(soc_model=soc)
+    # QNN's default activation observer is a moving average: without one shared encoding per KV cache the
+    # one-token calls clamp the keys already cached.
+    quantizer.add_custom_quant_annotations((share_kv_cache_encoding,))
+    if scheme in BLOCK_QUANTIZED_SCHEMES:
+        quantizer.set_default_quant_config(QuantDtype.use_16a4w_block, is_conv_per_channel=True,
+                                           is_linear_per_channel=True)
+        linears = [n for n in module.graph.nodes
+                   if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
+        quantizer.set_block_size_map({n.name: (1, QNN_16A4W_BLOCK) for n in linears if not is_output_layer(n)})
+        quantizer.set_submodule_qconfig_list([
+            (is_output_layer, ModuleQConfig(QuantDtype.use_16a8w, is_linear_per_channel=True)),
+        ])
+        return quantizer
+    # Per-channel weights: per-tensor weights lose too much on a language model.
+    quantizer.set_default_quant_config(
+        getattr(QuantDtype, QNN_QUANT_DTYPES[scheme]), is_conv_per_channel=True, is_linear_per_channel=True
+    )
+    return quantizer
+
+
+def qnn_program_passes(program: torch.export.ExportedProgram, scheme: str) -> torch.export.ExportedProgram:
+    """QNN's export-pipeline passes on the quantized one-token program. 16a4w: the linears go to QNN as 1x1
+    conv2d (ExecuTorch's ConvertLinearToConv2d, the form upstream's Qualcomm Llama uses; block sizes become
+    (1, 32, 1, 1), the same numbers): QNN 2.47's HTP graph prepare rejects a block-quantized (LPBQ)
+    FullyConnected with more than 256 output channels ("no properties registered for q::GenPad"); Conv2d
+    takes the same weights (docs/qnn.md)."""
+    import_qnn_backend()
+    from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
+
+    return QnnHtpPassManager().transform_for_export_pipeline(
+        program, convert_linear_to_conv2d=scheme in BLOCK_QUANTIZED_SCHEMES
+    )
 
 
 def qnn_edge_passes() -> list:
@@ -288,27 +343,33 @@ def cannot_run_on_this_host() -> str:
     return "a QNN .pte runs only on a Qualcomm (Snapdragon) device with the QNN runtime, not on this x86_64 host"
 
 
-def _register(name: str, description: str) -> None:
-    register(
-        Recipe(
-            name=name,
-            backend="qnn",
-            quantization=name,  # the PT2E scheme of the same name, from quant/pt2e.py
-            description=description,
-            partitioners=qnn_partitioners,
-            attention="sdpa-onehot",  # int64 index_put (cache update) and 5-D repeat_interleave fall out of HTP
-            cannot_run_here=cannot_run_on_this_host,
-            edge_compile_config=qnn_edge_compile_config,
-            transform_passes=qnn_edge_passes,
-            options={"soc": DEFAULT_SOC},
-            eager_engine="eager-qnn-simulated",
-        )
-    )
+BACKEND = Backend(
+    name="qnn",
+    title="Qualcomm QNN",
+    delegate_id="QnnBackend",
+    runs_on="Android or Linux devices with a Qualcomm NPU and the QNN runtime libraries",
+    partitioners=qnn_partitioners,
+    schemes=("16a4w", "16a8w", "8a8w"),
+    cannot_run_here=cannot_run_on_this_host,
+    # int64 index_put (cache update) and 5-D repeat_interleave fall out of HTP; HTP keeps three q/k/v linears,
+    # each with its own static output range.
+    attention="sdpa-onehot",
+    # HTP compiles static shapes only: one token per call (prefill runs token by token, as ExecuTorch's QNN
+    # Llama runner does in its KV mode).
+    static_tokens=1,
+    eager_engine="eager-qnn-simulated",
+    edge_compile_config=qnn_edge_compile_config,
+    transform_passes=qnn_edge_passes,
+    describe_options=describe_qnn_options,
+    pt2e_quantizer=qnn_quantizer,
+    pt2e_program_passes=qnn_program_passes,
+)
 
-
-import quant.pt2e  # noqa: E402,F401  (registers the qnn-* PT2E schemes this file's recipes use)
-
-_register("qnn-16a4w", "Qualcomm HTP, 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer "
-                       "(PT2E, calibrated; linears lowered as 1x1 conv2d)")
-_register("qnn-16a8w", "Qualcomm HTP, 16-bit activations, 8-bit per-channel weights (PT2E, calibrated)")
-_register("qnn-8a8w", "Qualcomm HTP, 8-bit activations, 8-bit per-channel weights (PT2E, calibrated)")
+RECIPES = (
+    recipe(BACKEND, "16a4w", "Qualcomm HTP, 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer "
+                             "(PT2E, calibrated; linears lowered as 1x1 conv2d)", options={"soc": DEFAULT_SOC}),
+    recipe(BACKEND, "16a8w", "Qualcomm HTP, 16-bit activations, 8-bit per-channel weights (PT2E, calibrated)",
+           options={"soc": DEFAULT_SOC}),
+    recipe(BACKEND, "8a8w", "Qualcomm HTP, 8-bit activations, 8-bit per-channel weights (PT2E, calibrated)",
+           options={"soc": DEFAULT_SOC}),
+)

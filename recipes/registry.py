@@ -1,60 +1,193 @@
-"""The recipe registry. A backend file in recipes/ registers its recipes here by name; the pipeline
-only ever looks recipes up, so it never branches on backend names."""
+"""The backend registry. Each backend is one module that defines `BACKEND` (a Backend) and `RECIPES`
+(its Recipes); load_backends() finds them by importing every module of this package and of the packages
+named in LOWERBENCH_BACKEND_PACKAGES. The pipeline asks a recipe's backend everything it needs, so it never
+branches on backend names."""
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import pkgutil
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import Callable, ContextManager
 
 from errors import UserFacingError
+from models.llama import ExportOptions
+
+BACKEND_PACKAGES_ENV = "LOWERBENCH_BACKEND_PACKAGES"  # comma-separated importable packages of extra backends
+
+
+def _describes_nothing(options: dict) -> dict:
+    return {}
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    name: str  # lower case, the first part of its recipes' names
+    title: str  # its name for people
+    delegate_id: str  # the runtime's id of its delegate in a .pte (its BackendDetails class name)
+    runs_on: str  # one line: where its .pte runs
+    partitioners: Callable[[dict], list]  # (recipe options) -> partitioner instances
+    schemes: tuple[str, ...]  # names in quant.schemes.SCHEMES it lowers correctly
+    refused: dict[str, str] = field(default_factory=dict)  # scheme -> why not (a scheme someone would expect)
+    # Why its .pte cannot run on this host, or None when it can; checked before generating.
+    cannot_run_here: Callable[[], str | None] = lambda: None
+    # The module form it delegates best (models.llama.ExportOptions).
+    attention: str = "sdpa"
+    norm: str = "hf"
+    fuse_qkv: bool = False
+    static_tokens: int | None = None  # a backend that compiles static shapes: tokens per call
+    strict_export: bool = True
+    # Modules that load the runtime kernels/ops its .pte needs (ExecuTorch resolves ops at load_method time).
+    runtime_imports: tuple[str, ...] = ()
+    # Engine label of the eager generation shown when its .pte cannot run here (or failed to lower).
+    eager_engine: str = "eager-quantized"
+    edge_compile_config: Callable[[], object] | None = None
+    transform_passes: Callable[[], list] | None = None
+    # Entered around the lowering: e.g. its version-guarded dependency patches, restored on exit.
+    lowering_context: Callable[[], ContextManager] = contextlib.nullcontext
+    # What the report records about the compile target of these options (e.g. a SoC and its libraries).
+    describe_options: Callable[[dict], dict] = _describes_nothing
+    # Python packages its lowering needs besides torch/executorch/torchao, recorded in every report.
+    packages: tuple[str, ...] = ()
+    # PT2E schemes: (scheme, options, module to annotate) -> the quantizer, and the passes its
+    # quantized program gets before lowering (ExportedProgram, scheme) -> ExportedProgram.
+    pt2e_quantizer: Callable | None = None
+    pt2e_program_passes: Callable | None = None
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    backend: str
+    backend: Backend
     quantization: str  # a scheme name from quant.schemes
     description: str
-    partitioners: Callable[[dict], list]  # (recipe options) -> partitioner instances
-    attention: str = "custom"  # models.llama.ExportOptions.attention
-    dtype: torch.dtype = torch.float32
-    # Why the .pte cannot run here, or None when it can; checked before generating.
-    cannot_run_here: Callable[[], str | None] = lambda: None
-    # Loads the runtime kernels/ops the .pte needs (ExecuTorch resolves ops at load_method time).
-    runtime_imports: tuple[str, ...] = ()
-    edge_compile_config: Callable[[], object] | None = None
-    transform_passes: Callable[[], list] | None = None
     options: dict = field(default_factory=dict)  # defaults of recipe options (group size, SoC, ...)
-    # Engine label of the eager generation shown when the .pte cannot run here (or failed to lower).
-    eager_engine: str = "eager-quantized"
+    module_overrides: dict = field(default_factory=dict)  # ExportOptions fields that differ from the backend's
+    partitioners: Callable[[dict], list] | None = None  # instead of the backend's (e.g. another precision)
+
+    def export_options(self, max_seq_len: int) -> ExportOptions:
+        backend = self.backend
+        form = dict(attention=backend.attention, norm=backend.norm, fuse_qkv=backend.fuse_qkv)
+        return ExportOptions(max_seq_len, **{**form, **self.module_overrides})
+
+    def make_partitioners(self, options: dict) -> list:
+        return (self.partitioners or self.backend.partitioners)(options)
 
 
-RECIPES: dict[str, Recipe] = {}
+def recipe(backend: Backend, quantization: str, description: str, name: str | None = None, **fields) -> Recipe:
+    """`<backend>-<scheme>` unless named otherwise."""
+    return Recipe(name or f"{backend.name}-{quantization}", backend, quantization, description, **fields)
 
 
-def register(recipe: Recipe) -> Recipe:
-    if recipe.name in RECIPES:
-        raise ValueError(f"recipe {recipe.name!r} registered twice")
-    RECIPES[recipe.name] = recipe
-    return recipe
+@dataclass
+class Registry:
+    backends: dict[str, Backend] = field(default_factory=dict)
+    recipes: dict[str, Recipe] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # module -> why it did not import
+    packages: tuple[str, ...] | None = None  # the packages it was loaded from
 
 
-def load_backends() -> None:
-    """Import every backend file so it registers; a backend that cannot even import is skipped
-    (its recipes are then absent, and `list` says why)."""
-    import importlib
+REGISTRY = Registry()
+RECIPES = REGISTRY.recipes
 
-    for module in ("recipes.xnnpack", "recipes.coreml", "recipes.qnn"):
+
+def _backend_packages() -> tuple[str, ...]:
+    return ("recipes", *filter(None, (p.strip() for p in os.environ.get(BACKEND_PACKAGES_ENV, "").split(","))))
+
+
+def _backend_modules(packages: tuple[str, ...]) -> list[str]:
+    modules = []
+    for package in packages:
         try:
-            importlib.import_module(module)
+            found = importlib.import_module(package)
         except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
+            raise UserFacingError(
+                f"{BACKEND_PACKAGES_ENV} names {package!r}, which does not import ({err}); "
+                "give importable package names, comma-separated."
+            ) from err
+        modules += [f"{package}.{m.name}" for m in pkgutil.iter_modules(found.__path__) if not m.name.startswith("_")]
+    return modules
+
+
+def register(module) -> None:
+    backend, recipes = getattr(module, "BACKEND", None), getattr(module, "RECIPES", ())
+    if backend is None:
+        return
+    if backend.name in REGISTRY.backends and REGISTRY.backends[backend.name] is not backend:
+        raise ValueError(f"backend {backend.name!r} defined twice ({module.__name__})")
+    REGISTRY.backends[backend.name] = backend
+    for entry in recipes:
+        if entry.name in RECIPES and RECIPES[entry.name] is not entry:
+            raise ValueError(f"recipe {entry.name!r} registered twice")
+        if entry.quantization not in backend.schemes:
+            raise ValueError(f"recipe {entry.name!r}: {backend.name} does not take {entry.quantization}")
+        RECIPES[entry.name] = entry
+
+
+def load_backends() -> Registry:
+    """Imports every backend module (again when LOWERBENCH_BACKEND_PACKAGES changed); one whose optional
+    package is missing is listed as unavailable."""
+    packages = _backend_packages()
+    if REGISTRY.packages != packages:
+        for table in (REGISTRY.backends, REGISTRY.recipes, REGISTRY.unavailable):
+            table.clear()  # in place: RECIPES is this same dict
+        for name in _backend_modules(packages):
+            try:
+                register(importlib.import_module(name))
+            except ImportError as err:
+                REGISTRY.unavailable[name] = f"{type(err).__name__}: {err}"
+        # The backends whose .pte runs on this host first, then by name.
+        ordered = sorted(REGISTRY.backends.values(), key=lambda b: (b.cannot_run_here() is not None, b.name))
+        REGISTRY.backends.clear()
+        REGISTRY.backends.update((b.name, b) for b in ordered)
+        REGISTRY.packages = packages
+    return REGISTRY
+
+
+def backend_for_delegate(delegate_id: str) -> Backend | None:
+    return next((b for b in load_backends().backends.values() if b.delegate_id == delegate_id), None)
+
+
+def check_scheme(backend: Backend, scheme: str) -> None:
+    if scheme in backend.schemes:
+        return
+    why = backend.refused.get(scheme)
+    raise UserFacingError(
+        f"{backend.name} does not take the {scheme} scheme" + (f" ({why})" if why else "")
+        + f"; {backend.name} takes: {', '.join(backend.schemes)}."
+    )
 
 
 def get_recipe(name: str) -> Recipe:
-    load_backends()
-    if name not in RECIPES:
-        raise UserFacingError(f"unknown recipe {name!r}; choose one of: {', '.join(sorted(RECIPES))}.")
-    return RECIPES[name]
+    """The one place recipe names are checked. A name that reads as `<backend>-<known scheme>` is refused with
+    the schemes that backend takes, rather than as an unknown name."""
+    from quant.schemes import SCHEMES
+
+    registry = load_backends()
+    if name in RECIPES:
+        return RECIPES[name]
+    for backend in registry.backends.values():
+        scheme = name[len(backend.name) + 1:] if name.startswith(backend.name + "-") else None
+        if scheme in SCHEMES or scheme in backend.refused:
+            check_scheme(backend, scheme)
+            names = sorted(r.name for r in RECIPES.values() if r.backend is backend)
+            raise UserFacingError(f"unknown recipe {name!r}; {backend.name} recipes: {', '.join(names)}.")
+    raise UserFacingError(f"unknown recipe {name!r}; choose one of: {', '.join(sorted(RECIPES))}.")
+
+
+def compatibility_table() -> str:
+    """Backend x scheme grid for `python -m recipes list`: `yes`, or `-` with the reason below."""
+    from quant.schemes import SCHEMES
+
+    backends = list(load_backends().backends.values())
+    schemes = list(SCHEMES)
+    width = max(len(s) for s in schemes) + 2
+    column = max([9, *(len(b.name) + 2 for b in backends)])
+    lines = [(f"{'scheme':<{width}}" + "".join(f"{b.name:<{column}}" for b in backends)).rstrip()]
+    for scheme in schemes:
+        cells = "".join(f"{'yes' if scheme in b.schemes else '-':<{column}}" for b in backends)
+        lines.append(f"{scheme:<{width}}{cells}".rstrip())
+    lines += [f"  {b.name} + {scheme}: {why}" for b in backends for scheme, why in b.refused.items()]
+    return "\n".join(lines)
+

@@ -20,10 +20,10 @@ import thread_policy
 from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
-from quant.schemes import apply_scheme
+from quant.schemes import SCHEMES, apply_scheme
 from recipes import fidelity
 from recipes import generate as gen
-from recipes.lowering import export_program, lower_to_pte, write_atomically
+from recipes.lowering import export_program, lower_for_backend, write_atomically
 from recipes.registry import Recipe, get_recipe
 
 Progress = Callable[[float, str], None]
@@ -55,8 +55,11 @@ class RunRequest:
 def versions() -> dict:
     import importlib.metadata as md
 
+    from recipes.registry import load_backends
+
     found = {}
-    for name in ("torch", "executorch", "torchao", "transformers", "coremltools"):
+    packages = [b for backend in load_backends().backends.values() for b in backend.packages]
+    for name in dict.fromkeys(("torch", "executorch", "torchao", "transformers", *packages)):
         try:
             found[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -84,11 +87,9 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         )
     if not request.prompt.strip():
         raise UserFacingError("the prompt is empty; type a prompt.")
-    from quant.compatibility import check_scheme
     from quant.schemes import check_group_size
 
     for recipe in recipes:
-        check_scheme(recipe.backend, recipe.quantization)
         check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
 
 
@@ -129,18 +130,9 @@ def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
 
 def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> dict:
     """Returns the summary {model, recipes: [report, ...]}; each report is also on disk."""
-    from quant.compatibility import check_recipe_name
-    from recipes.registry import RECIPES, load_backends
-
     thread_policy.torch_threads()
-    load_backends()
-    for name in request.recipes:
-        check_recipe_name(name, RECIPES)
     recipes = [get_recipe(name) for name in request.recipes]
     validate_request(request, recipes)
-    for recipe in recipes:
-        if hasattr(recipe, "validate_options"):
-            recipe.validate_options(request.options)
     stages = _Stages(progress, cancel, total=3 + 6 * len(recipes))
     out_dir = Path(request.out_dir)
     shared_timings: dict = {}
@@ -200,12 +192,11 @@ def _generate(step, engine: str, checkpoint: Checkpoint, request: RunRequest) ->
 def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepared: dict, stages: _Stages, timings: dict):
     """Quantized module (for eager generation) and ExportedProgram (for lowering), shared by every
     recipe that needs the same scheme, options and module shape."""
-    from quant.schemes import SCHEMES
     from quant.calibration import calibration_inputs
 
     options = recipe_options(recipe, request)
     scheme = SCHEMES[recipe.quantization]
-    export_options = ExportOptions(request.max_seq_len, attention=recipe.attention, dtype=recipe.dtype)
+    export_options = recipe.export_options(request.max_seq_len)
     # Source transforms depend on the group size only, so backends that differ in other options (SoC,
     # compute units) still share one quantization. PT2E quantizers depend on every option: never shared.
     key = (recipe.quantization, options.get("group_size"), export_options)
@@ -215,7 +206,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         module = prepared[key][0]
         timings["shared_quantization_with"] = prepared[key][1]
         started = stages.begin(f"exporting for {recipe.name}")
-        program = export_program(module, request.max_seq_len)
+        program = export_program(module, request.max_seq_len, strict=recipe.backend.strict_export)
         stages.end(started, timings, "export")
         return module, program
     module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
@@ -223,18 +214,32 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     apply_scheme(module, recipe.quantization, options.get("group_size"))
     stages.end(started, timings, "quantize")
     started = stages.begin(f"exporting for {recipe.name}")
-    program = export_program(module, request.max_seq_len)
+    program = export_program(module, request.max_seq_len, strict=recipe.backend.strict_export)
     stages.end(started, timings, "export")
     if scheme.quantize_exported is not None:
         started = stages.begin(f"calibrating and converting ({recipe.quantization}) for {recipe.name}")
         inputs = calibration_inputs(checkpoint.tokenizer, request.max_seq_len)
-        # the program to lower, and the converted q/dq module whose eager run simulates it
-        program, module = scheme.quantize_exported(program, inputs, options)
+        program, module = quantize_exported(recipe, program, inputs, options, request.max_seq_len)
         stages.end(started, timings, "quantize")
         timings["calibration"] = {"prompts": len(inputs), "source": "quant/calibration.py built-in prompts"}
     else:
         prepared[key] = (module, recipe.name)
     return module, program
+
+
+def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int):
+    """A PT2E scheme with the recipe's backend's quantizer: (the program to lower, the converted q/dq
+    module whose eager run simulates it)."""
+    backend = recipe.backend
+    if backend.pt2e_quantizer is None:
+        raise UserFacingError(f"{backend.name} has no PT2E quantizer for {recipe.quantization}.")
+    program, module = SCHEMES[recipe.quantization].quantize_exported(
+        program, calibration, lambda graph_module: backend.pt2e_quantizer(recipe.quantization, options, graph_module),
+        backend.static_tokens, max_seq_len,
+    )
+    if backend.pt2e_program_passes is not None:
+        program = backend.pt2e_program_passes(program, recipe.quantization)
+    return program, module
 
 
 def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
@@ -246,8 +251,9 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     timings = dict(shared_timings)
     report = {
         "model": checkpoint.describe(),
-        "recipe": {"name": recipe.name, "backend": recipe.backend, "quantization": recipe.quantization,
-                   "options": recipe_options(recipe, request), "max_seq_len": request.max_seq_len},
+        "recipe": {"name": recipe.name, "backend": recipe.backend.name, "quantization": recipe.quantization,
+                   "options": recipe_options(recipe, request), "max_seq_len": request.max_seq_len,
+                   "runs_on": recipe.backend.runs_on},
         "versions": versions(),
         "threads": thread_policy.describe(),
         "timings_s": timings,
@@ -260,13 +266,12 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     module = lowered = None
     try:
         module, program = _prepare(recipe, checkpoint, request, prepared, stages, timings)
-        started = stages.begin(f"lowering to {recipe.backend} ({recipe.name})")
-        lowered = lower_to_pte(
-            program,
-            recipe.partitioners(report["recipe"]["options"]),
-            transform_passes=recipe.transform_passes() if recipe.transform_passes else None,
-            compile_config=recipe.edge_compile_config() if recipe.edge_compile_config else None,
-        )
+        backend = recipe.backend
+        started = stages.begin(f"lowering to {backend.title} ({recipe.name})")
+        options = report["recipe"]["options"]
+        partitioners = recipe.make_partitioners(options)
+        report["recipe"]["options"] = {**options, **backend.describe_options(options)}
+        lowered = lower_for_backend(program, backend, partitioners)
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         report["delegation"] = lowered.delegation
@@ -310,11 +315,12 @@ def _recipe_engine(recipe, module, lowered, report) -> tuple:
     """(step, engine) for a recipe's generation and fidelity: the .pte on the runtime when it runs here
     (loaded once); otherwise the same quantized model in eager PyTorch (or the converted PT2E graph),
     labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
-    why_not = "lowering failed" if lowered is None else recipe.cannot_run_here()
+    backend = recipe.backend
+    why_not = "lowering failed" if lowered is None else backend.cannot_run_here()
     if why_not is None:
-        return gen.runtime_step(gen.load_runtime_method(lowered.pte, recipe.runtime_imports)), gen.ENGINE_RUNTIME
+        return gen.runtime_step(gen.load_runtime_method(lowered.pte, backend.runtime_imports)), gen.ENGINE_RUNTIME
     report["runtime_note"] = why_not
-    return gen.eager_step(module), recipe.eager_engine
+    return gen.eager_step(module), backend.eager_engine
 
 
 def _recipe_fidelity(recipe, step, engine, request, eval_reference) -> dict:

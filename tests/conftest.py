@@ -125,26 +125,29 @@ def tiny_checkpoint(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_fp32_lowered(tiny_checkpoint):
     """The tiny Llama exported and lowered once with xnnpack-fp32, shared by the tests that read it."""
-    from models.llama import ExportOptions, build_exportable
-    from recipes.lowering import export_program, lower_to_pte
+    from models.llama import build_exportable
+    from recipes.lowering import export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-fp32")
-    options = ExportOptions(max_seq_len=64, attention=recipe.attention)
+    options = recipe.export_options(64)
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
-    lowered = lower_to_pte(export_program(module, options.max_seq_len), recipe.partitioners({}))
+    program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
+    lowered = lower_for_backend(program, recipe.backend, recipe.make_partitioners({}))
     return module, lowered, recipe
 
 
-def run_cli(*args, timeout=1800):
-    """`python -m recipes ...` in a subprocess, as a user or CI script would run it."""
+def run_cli(*args, timeout=1800, env: dict | None = None):
+    """`python -m recipes ...` in a subprocess, as a user or CI script would run it; env: variables to add."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     return subprocess.run(
-        [sys.executable, "-m", "recipes", *args], cwd=root, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "recipes", *args], cwd=root, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -163,10 +166,9 @@ def _builtin_cli_run(tmp_path_factory, name: str, recipes: list[str], max_new_to
 
 
 # The built-in model's end-to-end recipes in one CLI run: one load of the GGUF and one fp32 reference for all
-# three (a separate Core ML run loaded and referenced it again). coreml-fp16 is lowered on the tiny Llama
-# only: on the built-in model it took 144 s more of the suite on a 2.3 GHz Xeon (session 12), and its path
-# (same partitioner, same SDPA handling) is coreml-int4's without the dequantize ops.
-BUILTIN_RECIPES = ["xnnpack-fp32", "xnnpack-8da4w", "coreml-int4"]
+# of them. coreml-fp16 is lowered on the tiny Llama only: its path (same partitioner, same SDPA handling) is
+# coreml-int4's without the dequantize ops.
+BUILTIN_RECIPES = ["xnnpack-fp32", "xnnpack-8da4w", "coreml-int4", "vulkan-fp32"]
 
 
 @pytest.fixture(scope="session")
@@ -204,14 +206,14 @@ def tiny_qnn_16a4w(tiny_checkpoint):
     """The tiny Llama through the qnn-16a4w PT2E scheme (QnnQuantizer, calibrated on the built-in
     prompts): (checkpoint, quantized one-token ExportedProgram, converted module that simulates it).
     Needs no QNN library."""
-    from models.llama import ExportOptions, build_exportable
+    from models.llama import build_exportable
     from quant.calibration import calibration_inputs
-    from quant.schemes import SCHEMES
     from recipes.lowering import export_program
     from recipes.registry import get_recipe
+    from recipes.run import quantize_exported
 
     recipe = get_recipe("qnn-16a4w")
-    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=recipe.attention))
-    program = export_program(module, 32)
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
+    program = export_program(module, 32, strict=recipe.backend.strict_export)
     inputs = calibration_inputs(tiny_checkpoint.tokenizer, 32)
-    return (tiny_checkpoint, *SCHEMES[recipe.quantization].quantize_exported(program, inputs, dict(recipe.options)))
+    return (tiny_checkpoint, *quantize_exported(recipe, program, inputs, dict(recipe.options), 32))

@@ -26,16 +26,17 @@ class WithAcosh(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def tiny_coreml_int8_with_acosh(tiny_checkpoint):
-    from models.llama import ExportOptions, build_exportable
+    from models.llama import build_exportable
     from quant.schemes import apply_scheme
-    from recipes.lowering import export_program, lower_to_pte
+    from recipes.lowering import export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("coreml-int8")
-    options = ExportOptions(max_seq_len=64, attention=recipe.attention, dtype=recipe.dtype)
+    options = recipe.export_options(64)
     module = WithAcosh(build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options))
     apply_scheme(module, recipe.quantization)
-    return lower_to_pte(export_program(module, options.max_seq_len), recipe.partitioners(recipe.options))
+    program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
+    return lower_for_backend(program, recipe.backend, recipe.make_partitioners(recipe.options))
 
 
 def test_coreml_recipes_registered_and_say_where_they_run():
@@ -43,11 +44,11 @@ def test_coreml_recipes_registered_and_say_where_they_run():
 
     for name in ("coreml-fp16", "coreml-fp32", "coreml-int8", "coreml-int4"):
         recipe = get_recipe(name)
-        assert recipe.backend == "coreml" and recipe.attention == "sdpa-slice"
+        assert recipe.backend.name == "coreml" and recipe.export_options(64).attention == "sdpa-slice"
         if platform.system() != "Darwin":
-            assert "Apple" in recipe.cannot_run_here()
+            assert "Apple" in recipe.backend.cannot_run_here()
     with pytest.raises(UserFacingError, match="compute units"):
-        get_recipe("coreml-fp16").partitioners({"compute_units": "gpu_only"})
+        get_recipe("coreml-fp16").make_partitioners({"compute_units": "gpu_only"})
 
 
 def test_sdpa_slice_module_matches_sdpa(tiny_checkpoint):

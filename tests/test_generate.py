@@ -65,7 +65,7 @@ def test_runtime_step_lends_its_output_and_generation_matches_eager(tiny_fp32_lo
     from recipes.generate import eager_step, load_runtime_method, runtime_step
 
     module, lowered, recipe = tiny_fp32_lowered
-    step = runtime_step(load_runtime_method(lowered.pte, recipe.runtime_imports))
+    step = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports))
     first = step(torch.tensor([[3, 5, 7]]), torch.tensor([0]))
     kept = first.clone()
     second = step(torch.tensor([[9]]), torch.tensor([3]))
@@ -103,7 +103,7 @@ def test_runtime_step_keeps_its_program_alive(tiny_fp32_lowered):
     from recipes.generate import load_runtime_method, runtime_step
 
     _module, lowered, recipe = tiny_fp32_lowered
-    loaded = load_runtime_method(bytes(lowered.pte), recipe.runtime_imports)
+    loaded = load_runtime_method(bytes(lowered.pte), recipe.backend.runtime_imports)
     program = weakref.ref(loaded[0])
     step = runtime_step(loaded)
     del loaded
@@ -144,8 +144,8 @@ def test_warm_up_leaves_generation_unchanged(tiny_fp32_lowered):
     from recipes.generate import load_runtime_method, runtime_step
 
     _module, lowered, recipe = tiny_fp32_lowered
-    warmed = runtime_step(load_runtime_method(lowered.pte, recipe.runtime_imports))
-    cold = runtime_step(load_runtime_method(lowered.pte, recipe.runtime_imports), warm=False)
+    warmed = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports))
+    cold = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports), warm=False)
     calls = [(torch.tensor([[3, 5, 7]]), torch.tensor([0]))] + [(torch.tensor([[t]]), torch.tensor([3 + i]))
                                                                 for i, t in enumerate((9, 2, 11))]
     for tokens, position in calls:
@@ -156,8 +156,8 @@ _FIRST_CALL_FAULTS = """
 import resource, sys
 import torch
 from recipes.generate import load_runtime_method, runtime_step
-from recipes.xnnpack import _RUNTIME_IMPORTS
-step = runtime_step(load_runtime_method(sys.argv[1], _RUNTIME_IMPORTS), warm=sys.argv[2] == "warm")
+from recipes.xnnpack import BACKEND
+step = runtime_step(load_runtime_method(sys.argv[1], BACKEND.runtime_imports), warm=sys.argv[2] == "warm")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 step(torch.zeros((1, 1), dtype=torch.long), torch.tensor([5]))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)

@@ -64,24 +64,24 @@ def test_fp16_and_fp32_schemes(tiny_checkpoint):
 
 
 def test_every_table_scheme_exists_and_every_recipe_is_in_the_table():
-    from quant.compatibility import BACKEND_SCHEMES
     from quant.schemes import SCHEMES
-    from recipes.registry import RECIPES, load_backends
+    from recipes.registry import load_backends
 
-    load_backends()
-    for backend, schemes in BACKEND_SCHEMES.items():
-        assert set(schemes) <= set(SCHEMES) or backend == "qnn", (backend, set(schemes) - set(SCHEMES))
-    for recipe in RECIPES.values():
-        assert recipe.quantization in BACKEND_SCHEMES[recipe.backend], recipe.name
+    registry = load_backends()
+    for backend in registry.backends.values():
+        assert set(backend.schemes) <= set(SCHEMES), (backend.name, set(backend.schemes) - set(SCHEMES))
+    for recipe in registry.recipes.values():
+        assert recipe.quantization in recipe.backend.schemes, recipe.name
 
 
 def test_invalid_backend_scheme_is_refused_with_valid_choices(tmp_path):
-    from quant.compatibility import check_scheme
+    from recipes.registry import check_scheme, load_backends
 
+    backends = load_backends().backends
     with pytest.raises(UserFacingError, match="xnnpack takes: fp32, fp16, 8da4w, 8da4w-emb4, 8da8w"):
-        check_scheme("xnnpack", "int8-weight")
+        check_scheme(backends["xnnpack"], "int8-weight")
     with pytest.raises(UserFacingError, match="coreml takes: fp32, int4-weight, int8-weight"):
-        check_scheme("coreml", "8da4w")
+        check_scheme(backends["coreml"], "8da4w")
     out = tmp_path / "out"
     result = run_cli("run", "--recipe", "xnnpack-int8-weight", "--out", str(out))
     assert result.returncode == 2
@@ -95,8 +95,9 @@ def test_list_prints_the_compatibility_table():
     result = run_cli("list")
     assert result.returncode == 0
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.split()}
-    assert rows["scheme"] == ["xnnpack", "coreml", "qnn"]
-    assert rows["8da4w"] == ["yes", "-", "-"] and rows["int4-weight"] == ["-", "yes", "-"]
+    assert rows["scheme"] == ["xnnpack", "coreml", "qnn", "vulkan"]  # the backend that runs here first
+    assert rows["8da4w"] == ["yes", "-", "-", "-"] and rows["int4-weight"] == ["-", "yes", "-", "-"]
+    assert rows["16a4w"] == ["-", "-", "yes", "-"]
     assert "xnnpack-8da4w-emb4" in rows
 
 
@@ -139,10 +140,10 @@ def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint
     """Two backends taking 8da4w on the same module quantize once; a different group size does not share."""
     from recipes.registry import Recipe
     from recipes.run import RunRequest, _prepare, _Stages
+    from recipes.xnnpack import BACKEND
 
     def recipe(name, **options):
-        return Recipe(name=name, backend="xnnpack", quantization="8da4w", description="", partitioners=lambda o: [],
-                      options=options)
+        return Recipe(name=name, backend=BACKEND, quantization="8da4w", description="", options=options)
 
     request = RunRequest(recipes=[], out_dir=".", max_seq_len=32)
     prepared, stages = {}, _Stages(None, None, total=10)
@@ -200,12 +201,12 @@ def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path)
 
 
 def test_fused_qkv_quantizes_exactly_as_three_linears(tiny_checkpoint):
-    """The XNNPACK form's qkv_proj holds q, k and v rows in order; 8da4w's int4 groups run along each
+    """A fused qkv_proj holds q, k and v rows in order; 8da4w's int4 groups run along each
     output row, so the fused linear's output is the three separate quantized linears' outputs, concatenated."""
     from models.llama import ExportOptions, build_exportable
     from quant.schemes import quantize_linears_8da4w
 
-    fused = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="custom"))
+    fused = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, fuse_qkv=True))
     separate = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa"))
     fused_attn, separate_attn = fused.model.layers[0].self_attn, separate.model.layers[0].self_attn
     assert not hasattr(fused_attn, "q_proj") and not hasattr(separate_attn, "qkv_proj")

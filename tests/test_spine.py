@@ -17,7 +17,7 @@ def test_fp32_runtime_logits_match_eager(tiny_fp32_lowered):
     module.reset_cache()
     with torch.no_grad():
         eager = module(tokens, torch.tensor([0]))
-    _program, method = load_runtime_method(lowered.pte, recipe.runtime_imports)
+    _program, method = load_runtime_method(lowered.pte, recipe.backend.runtime_imports)
     runtime = method.execute([tokens, torch.tensor([0])])[0]
     assert runtime.shape == eager.shape
     assert (runtime - eager).abs().max().item() < 1e-4
@@ -37,15 +37,15 @@ def test_module_matches_transformers(tiny_llama_dir, tiny_checkpoint):
     tokens = torch.tensor([[1, 4, 6, 8, 3]])
     with torch.no_grad():
         expected = reference(tokens).logits
-        for attention in ("sdpa", "custom"):
-            module = build_exportable(
-                tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=attention)
-            )
+        forms = [dict(attention="sdpa"), dict(attention="custom", norm="linear-mean", fuse_qkv=True),
+                 dict(attention="custom", fuse_qkv=True)]
+        for form in forms:
+            module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, **form))
             prefill = module(tokens[:, :3], torch.tensor([0]))
             step1 = module(tokens[:, 3:4], torch.tensor([3]))
             step2 = module(tokens[:, 4:5], torch.tensor([4]))
             got = torch.cat([prefill, step1, step2], dim=1)
-            assert (got - expected).abs().max().item() < 1e-4, attention
+            assert (got - expected).abs().max().item() < 1e-4, form
 
 
 def test_delegation_table_of_fp32(tiny_fp32_lowered):
@@ -75,7 +75,8 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert report["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
     assert report["pte"]["bytes"] == len(pte)
     assert report["recipe"] == {"name": "xnnpack-8da4w", "backend": "xnnpack", "quantization": "8da4w",
-                                "options": {"group_size": 32}, "max_seq_len": 64}
+                                "options": {"group_size": 32}, "max_seq_len": 64,
+                                "runs_on": "any CPU with the ExecuTorch runtime: Linux, macOS, Windows, Android, iOS"}
     assert report["model"]["source"] == "local-folder" and report["model"]["architecture"] == "LlamaForCausalLM"
     assert set(report["versions"]) >= {"torch", "executorch", "torchao", "transformers"}
     assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}
@@ -95,7 +96,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
 
 def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_path):
     from recipes.generate import load_runtime_method
-    from recipes.xnnpack import _RUNTIME_IMPORTS
+    from recipes.xnnpack import BACKEND
 
     out = tmp_path / "out"
     result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
@@ -105,7 +106,7 @@ def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_p
     assert report["generations"] == [] and report["fidelity"] is None and "export only" in report["generation_note"]
     assert "reference_generation" not in report["timings_s"] and report["delegation"]["delegated_subgraphs"] == 3
     assert report["pte"]["sha256"] == hashlib.sha256((out / "model.pte").read_bytes()).hexdigest()
-    _program, method = load_runtime_method(out / "model.pte", _RUNTIME_IMPORTS)
+    _program, method = load_runtime_method(out / "model.pte", BACKEND.runtime_imports)
     import torch
 
     logits = method.execute([torch.tensor([[1, 2, 3]]), torch.tensor([0])])[0]

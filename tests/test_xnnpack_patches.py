@@ -1,10 +1,10 @@
-"""The speed patches to our dependencies, and Lowerbench's own skipped decomposition, change how fast the
-.pte is made, never its bytes."""
+"""The XNNPACK lowering's speed patches, and Lowerbench's own skipped decomposition, change how fast the
+.pte is made, never what it computes; the patches are in place only while an XNNPACK lowering runs."""
 import copy
 
 import torch
 
-from recipes import dependency_patches
+from recipes import xnnpack_patches
 
 
 def _edge_graph(module, *inputs):
@@ -13,15 +13,20 @@ def _edge_graph(module, *inputs):
     return to_edge(torch.export.export(module, inputs)).exported_program()
 
 
-def test_patch_applies_to_the_pinned_executorch():
-    assert dependency_patches.apply() == {"executorch", "torchao"}
+def test_patches_apply_to_the_pinned_versions_and_are_undone_on_exit():
+    before = xnnpack_patches.patch_targets()
+    with xnnpack_patches.patched():
+        inside = xnnpack_patches.patch_targets()
+    assert all(inside[name] != value for name, value in before.items()), \
+        [name for name, value in before.items() if inside[name] == value]
+    assert xnnpack_patches.patch_targets() == before
 
 
 def test_each_guarded_pass_anchor_is_in_every_one_of_its_patterns():
     """The patch skips a pass without building its patterns when the anchor op is absent: that is only
     safe while every pattern contains the anchor."""
-    for pass_cls, (patterns_of, anchor_of) in dependency_patches.pass_patterns().items():
-        patterns = dependency_patches._pattern_ops(patterns_of())
+    for pass_cls, (patterns_of, anchor_of) in xnnpack_patches.pass_patterns().items():
+        patterns = xnnpack_patches._pattern_ops(patterns_of())
         assert patterns, pass_cls
         assert all(anchor_of() in ops for ops in patterns), pass_cls
 
@@ -30,19 +35,18 @@ def test_sdpa_pass_still_rewrites_an_sdpa_pattern_and_skips_a_graph_without_one(
     from executorch.backends.xnnpack._passes.convert_to_sdpa import ConvertToSDPAPass
     from executorch.backends.xnnpack.partition.graphs import sdpa
 
-    dependency_patches.apply()
-    pattern = copy.deepcopy(sdpa.get_graphs()[0])
-    result = ConvertToSDPAPass(None)(pattern)
-    targets = {str(n.target) for n in result.graph_module.graph.nodes if n.op == "call_function"}
-    assert any("scaled_dot_product_attention" in t for t in targets)
-
     class Linear(torch.nn.Module):
         def forward(self, x):
             return torch.nn.functional.relu(x) * 2
 
     program = _edge_graph(Linear(), torch.randn(2, 4))
     before = [n.target for n in program.graph_module.graph.nodes]
-    result = ConvertToSDPAPass(program)(program.graph_module)
+    with xnnpack_patches.patched():
+        pattern = copy.deepcopy(sdpa.get_graphs()[0])
+        rewritten = ConvertToSDPAPass(None)(pattern)
+        result = ConvertToSDPAPass(program)(program.graph_module)
+    targets = {str(n.target) for n in rewritten.graph_module.graph.nodes if n.op == "call_function"}
+    assert any("scaled_dot_product_attention" in t for t in targets)
     assert result.modified is False
     assert [n.target for n in result.graph_module.graph.nodes] == before
 
@@ -53,7 +57,7 @@ def test_torchao_shape_kernels_give_the_metadata_of_the_originals():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    original, fast = dependency_patches.torchao_shape_kernels()
+    original, fast = xnnpack_patches.torchao_shape_kernels()
 
     def meta(t):
         return tuple(t.shape), t.dtype, tuple(t.stride())
@@ -85,22 +89,26 @@ import hashlib, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
-from recipes import dependency_patches, generate, lowering
-from recipes.xnnpack import _RUNTIME_IMPORTS, xnnpack_partitioners
+from contextlib import nullcontext
+from recipes import generate, lowering, xnnpack_patches
+from recipes.xnnpack import BACKEND, xnnpack_partitioners
 mode = sys.argv[1]
+context = BACKEND.lowering_context
 if mode == "unpatched":
-    dependency_patches.apply = lambda: set()
+    context = nullcontext
     lowering._skip_redundant_decomposition = lambda partitioners: None  # ExecuTorch's three decompositions
 elif mode == "patched-same-order":
-    dependency_patches.apply(reorder_partitions=False)
+    context = lambda: xnnpack_patches.patched(reorder_partitions=False)
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2)
 torch.manual_seed(0)
-module = build_exportable(config, LlamaForCausalLM(config).state_dict(), ExportOptions(max_seq_len=64))
+options = ExportOptions(max_seq_len=64, attention=BACKEND.attention, norm=BACKEND.norm, fuse_qkv=BACKEND.fuse_qkv)
+module = build_exportable(config, LlamaForCausalLM(config).state_dict(), options)
 apply_scheme(module, "8da4w")
-lowered = lowering.lower_to_pte(lowering.export_program(module, 64), xnnpack_partitioners({}))
+program = lowering.export_program(module, 64, strict=BACKEND.strict_export)
+lowered = lowering.lower_to_pte(program, xnnpack_partitioners({}), lowering_context=context)
 print("PTE", hashlib.sha256(lowered.pte).hexdigest())
-program, method = generate.load_runtime_method(lowered.pte, _RUNTIME_IMPORTS)
+program, method = generate.load_runtime_method(lowered.pte, BACKEND.runtime_imports)
 prefill = method.execute([torch.tensor([[5, 17, 200, 3, 99, 41]]), torch.tensor([0])])[0]
 decode = method.execute([torch.tensor([[7]]), torch.tensor([6])])[0]
 print("LOGITS", hashlib.sha256(prefill.numpy().tobytes() + decode.numpy().tobytes()).hexdigest())
@@ -128,8 +136,6 @@ def test_patches_change_neither_the_pte_bytes_nor_what_it_computes():
 def test_idle_retrace_is_skipped_for_the_listed_pass_only_not_for_its_subclasses():
     from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
 
-    dependency_patches.apply()
-
     class Linear(torch.nn.Module):
         def forward(self, x):
             return torch.nn.functional.relu(x) * 2
@@ -138,8 +144,10 @@ def test_idle_retrace_is_skipped_for_the_listed_pass_only_not_for_its_subclasses
         pass
 
     graph_module = _edge_graph(Linear(), torch.randn(2, 4)).graph_module
-    assert ConvertToLinearPass()(graph_module).graph_module is graph_module  # nothing to convert: no re-trace
-    assert Subclass()(graph_module).graph_module is not graph_module  # re-traced, as without the patch
+    with xnnpack_patches.patched():
+        assert ConvertToLinearPass()(graph_module).graph_module is graph_module  # nothing to convert: no re-trace
+        assert Subclass()(graph_module).graph_module is not graph_module  # re-traced, as without the patch
+    assert ConvertToLinearPass()(graph_module).graph_module is not graph_module  # outside: re-traced
 
 
 def test_order_check_finds_a_node_before_its_input():
@@ -147,6 +155,48 @@ def test_order_check_finds_a_node_before_its_input():
     x = graph.placeholder("x")
     y = graph.call_function(torch.relu, (x,))
     graph.output(y)
-    assert dependency_patches.topologically_ordered(graph)
+    assert xnnpack_patches.topologically_ordered(graph)
     x.append(graph.call_function(torch.neg, (y,)))  # neg(y) moved before y
-    assert not dependency_patches.topologically_ordered(graph)
+    assert not xnnpack_patches.topologically_ordered(graph)
+
+
+class _PatchProbe:
+    """A transform pass that changes nothing and records what the patched attributes are while the lowering
+    runs (transform passes run inside to_edge_transform_and_lower)."""
+
+    def __init__(self):
+        self.seen = None
+
+    def __call__(self, graph_module):
+        from torch.fx.passes.infra.pass_base import PassResult
+
+        self.seen = xnnpack_patches.patch_targets()
+        return PassResult(graph_module, False)
+
+
+def _lower_tiny(tiny_checkpoint, name: str, probe: _PatchProbe):
+    from models.llama import build_exportable
+    from recipes.lowering import export_program, lower_to_pte
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe(name)
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
+    program = export_program(module, 32, strict=recipe.backend.strict_export)
+    return lower_to_pte(program, recipe.make_partitioners(recipe.options), transform_passes=[probe],
+                        lowering_context=recipe.backend.lowering_context)
+
+
+def test_xnnpack_lowering_runs_patched_and_leaves_the_originals_behind(tiny_checkpoint):
+    originals = xnnpack_patches.patch_targets()
+    probe = _PatchProbe()
+    _lower_tiny(tiny_checkpoint, "xnnpack-fp32", probe)
+    assert all(probe.seen[name] != value for name, value in originals.items())
+    assert xnnpack_patches.patch_targets() == originals
+
+
+def test_non_xnnpack_lowering_runs_with_no_patch_active(tiny_checkpoint):
+    originals = xnnpack_patches.patch_targets()
+    probe = _PatchProbe()
+    lowered = _lower_tiny(tiny_checkpoint, "coreml-fp32", probe)
+    assert lowered.delegation["delegated_subgraphs"] >= 1
+    assert probe.seen == originals

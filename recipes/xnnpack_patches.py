@@ -1,42 +1,56 @@
-"""Version-guarded speed patches to our dependencies, applied once before lowering. Each changes how fast a
-result is computed, never the result: the tests lower the same program with and without them.
+"""Version-guarded speed patches to the dependencies of an XNNPACK lowering, active only while one runs:
+`patched()` is the XNNPACK backend's lowering_context, entered around to_edge_transform_and_lower and
+to_executorch and restoring every original on exit, so no other backend's lowering ever meets them. Each
+targets one version (PATCHED) and does nothing on another.
 
 1. executorch 1.4.1, XNNPACK preprocessing (executorch.backends.xnnpack._passes.XNNPACKPassManager): for every
    delegated partition, ConvertToUpsampleBilinear2d.call and ConvertToSDPAPass.call run a SubgraphMatcher per
-   pattern and then re-trace the partition with fake tensors, even when it cannot contain the pattern (45 % of
-   XNNPACK preprocessing on a 2-layer SmolLM2). Skipped when some op of every pattern is absent from the graph:
-   a subgraph match needs every op of the pattern, so the pass would have changed nothing.
+   pattern and then re-trace the partition with fake tensors, even when it cannot contain the pattern. Skipped
+   when some op of every pattern is absent from the graph: a subgraph match needs every op of the pattern, so
+   the pass would have changed nothing.
 2. torchao 0.18.0, torchao.quantization.quant_primitives: quantize_affine, dequantize_affine and
    choose_qparams_affine are CompositeImplicitAutograd ops, so every ExportPass re-trace during lowering runs
-   their Python bodies (~30 aten ops each) on fake tensors just to learn output shapes: about a third of the
-   lowering time of an 8da4w model. For plain fake tensors (no proxy or functional tracing active, i.e. only
-   shape propagation) the patch returns empty tensors of the same shape, dtype and strides; real tensors and
-   tracing take the original bodies.
+   their Python bodies (~30 aten ops each) on fake tensors just to learn output shapes. For plain fake tensors
+   (no proxy or functional tracing active, i.e. only shape propagation) the patch returns empty tensors of the
+   same shape, dtype and strides; real tensors and tracing take the original bodies.
 3. executorch 1.4.1, XNNPACK preprocessing again: most passes of XNNPACKPassManager rewrite the partition's graph
    in place in their call() and then call ExportPass.call (executorch.exir.pass_base._ExportPassBase.call) "to
-   regenerate metadata", a full re-trace with fake tensors, whether or not they changed anything. For a Llama
-   that is about 13 re-traces of every partition, 35 % of the lowering time. For the passes listed in
-   RETRACE_ONLY_AFTER_CHANGE the re-trace is skipped when the graph is, node for node, the one the pass
-   received: re-tracing an unchanged graph gives it back unchanged.
+   regenerate metadata", a full re-trace with fake tensors, whether or not they changed anything. For the
+   passes listed in RETRACE_ONLY_AFTER_CHANGE the re-trace is skipped when the graph is, node for node, the one
+   the pass received: re-tracing an unchanged graph gives it back unchanged.
 4. executorch 1.4.1, partition creation (executorch.exir.backend.backend_api._create_partitions_in_graph_module
    -> executorch.exir.lowered_backend_module.create_submodule_from_nodes): after cutting each partition out, it
    rebuilds the whole top-level graph in topological order (torch.fx legalize_graph), once per partition --
    quadratic in depth. The patch checks the order in one read-only sweep and re-sorts only when a node
    really comes before one of its inputs.
+
+Patches 1-3 leave the .pte byte for byte as it is without them. Patch 4 is the one that changes its bytes:
+legalize_graph re-sorts an already valid order too, so without it the top-level nodes (delegate calls and
+the ops between them) come out in another topological order. Any topological order computes the same
+values: every instruction still runs after its inputs, the delegates' payloads are the same bytes, and the
+tests check that the runtime's logits are bit-identical with and without it.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import importlib.metadata
+from contextlib import contextmanager
+from typing import Callable
 
 PATCHED = {"executorch": "1.4.1", "torchao": "0.18.0"}
-_applied: set[str] = set()
-_torchao_library = None  # the torch.library fragment holding our kernels must stay alive
 
 
 def _version_matches(package: str) -> bool:
     return importlib.metadata.version(package) == PATCHED[package]
+
+
+def _swap(owner, name: str, new) -> Callable[[], None]:
+    """Sets owner.name = new; returns what puts the original back (an inherited attribute is inherited again)."""
+    had_own = name in vars(owner)
+    original = vars(owner)[name] if had_own else None
+    setattr(owner, name, new)
+    return (lambda: setattr(owner, name, original)) if had_own else (lambda: delattr(owner, name))
 
 
 def _pattern_ops(patterns) -> list[set]:
@@ -59,7 +73,7 @@ def _skip_without_pattern(pass_cls, patterns_of, anchor_of):
             return PassResult(graph_module, False)
         return original(self, graph_module)
 
-    pass_cls.call = call
+    return _swap(pass_cls, "call", call)
 
 
 def pass_patterns():
@@ -76,9 +90,9 @@ def pass_patterns():
     }
 
 
-def _patch_xnnpack_passes() -> None:
-    for pass_cls, (patterns_of, anchor_of) in pass_patterns().items():
-        _skip_without_pattern(pass_cls, patterns_of, anchor_of)
+def _patch_xnnpack_passes() -> list[Callable[[], None]]:
+    return [_skip_without_pattern(pass_cls, patterns_of, anchor_of)
+            for pass_cls, (patterns_of, anchor_of) in pass_patterns().items()]
 
 
 # XNNPACK passes whose whole rewrite happens in call() before the closing super().call() re-trace: none of them
@@ -125,10 +139,11 @@ def retrace_only_after_change_classes() -> list[type]:
     return classes
 
 
-def _patch_idle_retraces() -> None:
+def _patch_idle_retraces() -> list[Callable[[], None]]:
     from executorch.exir.pass_base import _ExportPassBase
     from torch.fx.passes.infra.pass_base import PassResult
 
+    restores = []
     for cls in retrace_only_after_change_classes():
         original_call = cls.call
 
@@ -144,7 +159,7 @@ def _patch_idle_retraces() -> None:
             finally:
                 del self._lowerbench_received
 
-        cls.call = call
+        restores.append(_swap(cls, "call", call))
 
     retrace = _ExportPassBase.call
 
@@ -155,7 +170,8 @@ def _patch_idle_retraces() -> None:
             return PassResult(graph_module, False)
         return retrace(self, graph_module)
 
-    _ExportPassBase.call = call_unless_unchanged
+    restores.append(_swap(_ExportPassBase, "call", call_unless_unchanged))
+    return restores
 
 
 def topologically_ordered(graph) -> bool:
@@ -167,7 +183,7 @@ def topologically_ordered(graph) -> bool:
     return True
 
 
-def _patch_partition_legalize() -> None:
+def _patch_partition_legalize() -> list[Callable[[], None]]:
     from executorch.exir.backend import backend_api
     from torch.fx.passes.tools_common import legalize_graph
 
@@ -181,7 +197,7 @@ def _patch_partition_legalize() -> None:
             call_node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == call_node.target)
         return submodule, call_node
 
-    backend_api.create_submodule_from_nodes = create_submodule_from_nodes
+    return [_swap(backend_api, "create_submodule_from_nodes", create_submodule_from_nodes)]
 
 
 def shape_only(tensor) -> bool:
@@ -236,31 +252,51 @@ def torchao_shape_kernels():
                       "choose_qparams_affine": choose_qparams_affine}
 
 
-def _patch_torchao_shape_propagation() -> None:
+def _patch_torchao_shape_propagation() -> list[Callable[[], None]]:
     import warnings
 
     import torch
 
-    global _torchao_library
     _original, kernels = torchao_shape_kernels()
-    _torchao_library = torch.library.Library("torchao", "FRAGMENT")
+    library = torch.library.Library("torchao", "FRAGMENT")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": that is the point
         for name, kernel in kernels.items():
-            _torchao_library.impl(name, kernel, "CompositeImplicitAutograd")
+            library.impl(name, kernel, "CompositeImplicitAutograd")
+    # Destroying the fragment deregisters its kernels: the dispatcher falls back to torchao's own.
+    return [library._destroy]
 
 
-def apply(reorder_partitions: bool = True) -> set[str]:
-    """Applies the patches whose package is at the patched version; returns which are in place.
-    reorder_partitions=False leaves patch 4 out: it is the one patch that changes the .pte's bytes (the order
-    of the top-level instructions, not what they compute), so the tests compare bytes without it."""
-    if "executorch" not in _applied and _version_matches("executorch"):
-        _patch_xnnpack_passes()
-        _patch_idle_retraces()
-        if reorder_partitions:
-            _patch_partition_legalize()
-        _applied.add("executorch")
-    if "torchao" not in _applied and _version_matches("torchao"):
-        _patch_torchao_shape_propagation()
-        _applied.add("torchao")
-    return set(_applied)
+@contextmanager
+def patched(reorder_partitions: bool = True):
+    """The patches whose package is at the patched version, for the duration of the block.
+    reorder_partitions=False leaves patch 4 out, the one that changes the .pte's bytes (see above)."""
+    restores: list[Callable[[], None]] = []
+    try:
+        if _version_matches("executorch"):
+            restores += _patch_xnnpack_passes()
+            restores += _patch_idle_retraces()
+            if reorder_partitions:
+                restores += _patch_partition_legalize()
+        if _version_matches("torchao"):
+            restores += _patch_torchao_shape_propagation()
+        yield
+    finally:
+        for restore in reversed(restores):
+            restore()
+
+
+def patch_targets() -> dict[str, object]:
+    """What every patched attribute is right now (the torchao ops by their dispatcher table): equal before
+    and after a block, and equal inside one that runs without the patches."""
+    import torch
+    from executorch.exir.backend import backend_api
+    from executorch.exir.pass_base import _ExportPassBase
+
+    targets = {f"{cls.__qualname__}.call": vars(cls).get("call") for cls in pass_patterns()}
+    targets.update({f"{cls.__qualname__}.call": vars(cls).get("call") for cls in retrace_only_after_change_classes()})
+    targets["_ExportPassBase.call"] = vars(_ExportPassBase)["call"]
+    targets["backend_api.create_submodule_from_nodes"] = backend_api.create_submodule_from_nodes
+    for name in ("quantize_affine", "dequantize_affine", "choose_qparams_affine"):
+        targets[f"torchao::{name}"] = torch._C._dispatch_dump(f"torchao::{name}")
+    return targets

@@ -1,0 +1,53 @@
+"""Vulkan, the backend added as one file (recipes/vulkan.py): the tiny Llama and the built-in model lower with
+their linears (as mm after to_edge) delegated; the .pte does not run on the wheel's runtime, so the column
+shows the eager generation, labelled, with the reason."""
+import pytest
+
+LINEARS_PER_LAYER = 6  # fused q/k/v, o, gate, up, down, and the rope rotation (a product with a constant matrix)
+
+
+def _mm(report) -> dict:
+    return {o["op"]: o for o in report["delegation"]["ops"]}["aten_mm_default"]
+
+
+def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(tiny_llama_dir, tmp_path):
+    from recipes.run import RunRequest, run
+
+    summary = run(RunRequest(recipes=["vulkan-fp32", "vulkan-fp16"], out_dir=tmp_path, model=str(tiny_llama_dir),
+                             max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))
+    for report in summary["recipes"]:
+        assert report["errors"] == [], report["errors"]
+        mm = _mm(report)
+        assert mm["delegated"] == 2 * LINEARS_PER_LAYER + 1 and mm["non_delegated"] == 0, mm
+        custom_sdpa = {o["op"]: o for o in report["delegation"]["ops"]}["llama_custom_sdpa_default"]
+        assert custom_sdpa["non_delegated"] == 0
+        assert report["delegation"]["delegated_subgraphs"] <= 2
+        assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "eager-quantized"]
+        assert "no Vulkan backend" in report["runtime_note"]
+        pte = (tmp_path / report["recipe"]["name"] / "model.pte").read_bytes()
+        assert b"VulkanBackend" in pte and len(pte) == report["pte"]["bytes"]
+    assert summary["recipes"][1]["timings_s"]["shared_quantization_with"] == "vulkan-fp32"
+
+
+def test_vulkan_pte_on_the_wheels_runtime_says_where_it_runs(tiny_llama_dir, tmp_path):
+    from errors import UserFacingError
+    from recipes.generate import load_runtime_method
+    from recipes.run import RunRequest, run
+
+    run(RunRequest(recipes=["vulkan-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir), max_seq_len=32,
+                   max_new_tokens=3, generate=False))
+    with pytest.raises(UserFacingError, match="VulkanBackend programs run on devices with a Vulkan 1.1 GPU"):
+        load_runtime_method(tmp_path / "model.pte")
+
+
+@pytest.mark.builtin
+def test_builtin_model_lowers_with_vulkan_fp32_linears_delegated(builtin_run):
+    out, reports, _result = builtin_run
+    report = reports["vulkan-fp32"]
+    assert report["errors"] == [], report["errors"]
+    mm = _mm(report)
+    assert mm["delegated"] == 30 * LINEARS_PER_LAYER + 1 and mm["non_delegated"] == 0, mm
+    outside = {o["op"] for o in report["delegation"]["ops"] if o["non_delegated"]}
+    assert outside <= {"aten_index_select_default", "aten_arange_start_step", "sym_size", "getitem"}, outside
+    assert report["generations"][1]["engine"] == "eager-quantized" and report["runtime_note"]
+    assert (out / "vulkan-fp32" / "model.pte").stat().st_size == report["pte"]["bytes"]

@@ -140,7 +140,9 @@ def lower_to_pte(
     partitioners: list,
     transform_passes: list | None = None,
     compile_config=None,
+    constant_methods: dict | None = None,
 ) -> LoweredProgram:
+    """`constant_methods`: methods that return a constant (recipes.llm_metadata), kept in the .pte."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from recipes import dependency_patches
@@ -156,6 +158,7 @@ def lower_to_pte(
                 program,
                 partitioner=partitioners,
                 transform_passes=[*(transform_passes or []), counter],
+                constant_methods=constant_methods,
                 compile_config=compile_config,
             )
     finally:

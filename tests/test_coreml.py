@@ -28,6 +28,7 @@ class WithAcosh(torch.nn.Module):
 def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     from models.llama import ExportOptions, build_exportable
     from quant.schemes import apply_scheme
+    from recipes.llm_metadata import llm_metadata
     from recipes.lowering import export_program, lower_to_pte
     from recipes.registry import get_recipe
 
@@ -35,7 +36,9 @@ def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     options = ExportOptions(max_seq_len=64, attention=recipe.attention, dtype=recipe.dtype)
     module = WithAcosh(build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options))
     apply_scheme(module, recipe.quantization)
-    return lower_to_pte(export_program(module, options.max_seq_len), recipe.partitioners(recipe.options))
+    program = export_program(module, options.max_seq_len)
+    metadata = llm_metadata(program, options.max_seq_len, tiny_checkpoint.config, tiny_checkpoint.tokenizer, [2])
+    return lower_to_pte(program, recipe.partitioners(recipe.options), constant_methods=metadata)
 
 
 def test_coreml_recipes_registered_and_say_where_they_run():
@@ -77,6 +80,16 @@ def test_unsupported_op_stays_outside_with_its_reason(tiny_coreml_int8_with_acos
     assert "aten.scaled_dot_product_attention.default" in table["preserved_ops"]["CoreMLPartitioner"]
     assert table["edge_nodes_before_partitioning"] == tiny_coreml_int8_with_acosh.edge_nodes_before_partitioning
     assert ops["aten_linear_default"]["before_partitioning"] == 15
+
+
+def test_coreml_pte_lists_the_llm_runners_metadata_methods(tiny_coreml_int8_with_acosh):
+    """What ExecuTorch's iOS runner reads at load; the program API lists them without running the delegate."""
+    from executorch.runtime import Runtime
+
+    from tests.test_deploy import METADATA_METHODS
+
+    methods = set(Runtime.get().load_program(tiny_coreml_int8_with_acosh.pte).method_names)
+    assert methods == METADATA_METHODS | {"forward"}
 
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="the Core ML runtime exists on macOS")

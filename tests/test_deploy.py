@@ -135,25 +135,6 @@ def test_metadata_of_a_static_one_token_program(tiny_qnn_16a4w):
     assert metadata["get_vocab_size"] == checkpoint.config.vocab_size and metadata["get_max_seq_len"] == 32
 
 
-def test_coreml_pte_lists_the_same_metadata_methods(tiny_checkpoint):
-    from models.llama import ExportOptions, build_exportable
-    from recipes.llm_metadata import llm_metadata
-    from recipes.lowering import export_program, lower_to_pte
-    from recipes.registry import get_recipe
-
-    recipe = get_recipe("coreml-fp16")
-    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict,
-                              ExportOptions(32, attention=recipe.attention))
-    program = export_program(module, 32)
-    metadata = llm_metadata(program, 32, tiny_checkpoint.config, tiny_checkpoint.tokenizer, [2])
-    lowered = lower_to_pte(program, recipe.partitioners(recipe.options), constant_methods=metadata)
-    from executorch.runtime import Runtime
-
-    methods = set(Runtime.get().load_program(lowered.pte).method_names)
-    assert methods == METADATA_METHODS | {"forward"}
-    assert metadata["use_sdpa_with_kv_cache"] is False and metadata["enable_dynamic_shape"] is True
-
-
 @pytest.mark.builtin
 def test_builtin_8da4w_folder_runs_in_the_llm_runner_and_answers_paris(builtin_8da4w_run):
     from transformers import AutoTokenizer

@@ -51,7 +51,8 @@ def generate_with_runner(pte: Path, tokenizer_json: Path, tokenizer, prompt: str
         with _stdout_silenced():
             runner = TextLLMRunner(str(pte), str(tokenizer_json))
     except RuntimeError as err:
-        raise RunnerFailed(f"ExecuTorch's LLM runner could not load {Path(pte).name}: {err}") from None
+        raise RunnerFailed(f"ExecuTorch's LLM runner could not load {Path(pte).name} with "
+                           f"{Path(tokenizer_json).name}: {err}") from None
     text = prompt_text(tokenizer, prompt)
     pieces, stats = [], []
     try:

@@ -88,15 +88,20 @@ def runner_llama_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="session")
-def runner_llama_run(runner_llama_dir, tmp_path_factory):
-    """runner_llama_dir through `run()` with xnnpack-fp32: (recipe folder, report)."""
+def _fp32_run(tmp_path_factory, name: str, model_dir, prompt: str, max_new_tokens: int):
+    """`model_dir` through `run()` with xnnpack-fp32 at a context of 64: (recipe folder, report)."""
     from recipes.run import RunRequest, run
 
-    out = tmp_path_factory.mktemp("runner-llama-run")
-    summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(runner_llama_dir),
-                             prompt="what is the capital of France ?", max_new_tokens=8, max_seq_len=64))
+    out = tmp_path_factory.mktemp(name)
+    summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(model_dir),
+                             prompt=prompt, max_new_tokens=max_new_tokens, max_seq_len=64))
     return out, summary["recipes"][0]
+
+
+@pytest.fixture(scope="session")
+def runner_llama_run(runner_llama_dir, tmp_path_factory):
+    """runner_llama_dir through `run()` with xnnpack-fp32: a folder the LLM runner takes."""
+    return _fp32_run(tmp_path_factory, "runner-llama-run", runner_llama_dir, "what is the capital of France ?", 8)
 
 
 @pytest.fixture(scope="session")
@@ -241,12 +246,7 @@ def builtin_8da4w_run(builtin_run):
 @pytest.fixture(scope="session")
 def tiny_fp32_run(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama through `run()` with xnnpack-fp32: a finished recipe folder (model.pte + report.json)."""
-    from recipes.run import RunRequest, run
-
-    out = tmp_path_factory.mktemp("tiny-fp32-run")
-    summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(tiny_llama_dir),
-                             prompt="the capital of France is", max_new_tokens=4, max_seq_len=64))
-    return out, summary["recipes"][0]
+    return _fp32_run(tmp_path_factory, "tiny-fp32-run", tiny_llama_dir, "the capital of France is", 4)
 
 
 @pytest.fixture(scope="session")

@@ -219,19 +219,24 @@ def delegation_frame(rows: list[dict]):
 
 def generation_columns(summary: dict) -> str:
     """fp32 eager first, then one column per recipe; a failed recipe shows its error in its own column."""
-    columns = [("fp32 reference", summary["reference"], None)]
+    columns = [("fp32 reference", summary["reference"], None, None)]
     for report in summary["recipes"]:
         generated = [g for g in report["generations"] if g["engine"] != "eager-fp32"]
         error = report["errors"][0]["message"] if report["errors"] else None
-        columns.append((report["recipe"]["name"], generated[0] if generated else None, error))
+        columns.append((report["recipe"]["name"], generated[0] if generated else None, error,
+                        report.get("runner_note")))
     cells = []
-    for title, generation, error in columns:
+    for title, generation, error, runner_note in columns:
         body = []
         if generation:
+            runner_stats = (f' · load {generation["model_load_ms"]} ms · first token '
+                            f'{generation["time_to_first_token_ms"]} ms' if "model_load_ms" in generation else "")
             body.append(f'<div class="lb-engine">{html.escape(generation["engine"])} · '
                         f'{generation["decode_tokens_per_s"]} tok/s decode · '
-                        f'{generation["prefill_tokens_per_s"]} tok/s prefill</div>')
+                        f'{generation["prefill_tokens_per_s"]} tok/s prefill{runner_stats}</div>')
             body.append(f'<div class="lb-text">{html.escape(generation["text"])}</div>')
+        if runner_note:  # the step loop's generation is shown instead, labelled with its engine
+            body.append(f'<div class="lb-engine">{html.escape(runner_note)}</div>')
         if error:
             body.append(f'<div class="lb-error">error: {html.escape(error)}</div>')
         cells.append(f'<div class="lb-col"><h4>{html.escape(title)}</h4>{"".join(body)}</div>')
@@ -239,11 +244,13 @@ def generation_columns(summary: dict) -> str:
 
 
 def download_files(summary: dict) -> list[str]:
+    from recipes.publish import SHIPPED_FILES
+
     files = []
     for report in summary["recipes"]:
         if report.get("pte"):
             recipe_dir = Path(report["pte"]["path"]).parent
-            files += [str(recipe_dir / "model.pte"), str(recipe_dir / "report.json")]
+            files += [str(recipe_dir / name) for name in SHIPPED_FILES if (recipe_dir / name).is_file()]
     return files
 
 

@@ -27,6 +27,9 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor] = field(repr=False)
     tokenizer: object = field(repr=False)
     path: str = ""
+    # Every id that ends a generation: generation_config.json's eos_token_id (Llama 3 Instruct lists
+    # <|eot_id|> and <|eom_id|> there), the config's, and the tokenizer's eos.
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -193,7 +196,31 @@ def load_folder(folder: Path, allow_pickle: bool = False) -> Checkpoint:
     config = read_config(folder)
     state = load_state_dict(folder, allow_pickle)
     tokenizer = load_tokenizer(folder)
-    return Checkpoint("local-folder", str(folder), None, config, state, tokenizer, path=str(folder))
+    eos = eos_token_ids(read_generation_eos(folder), config, tokenizer)
+    return Checkpoint("local-folder", str(folder), None, config, state, tokenizer, path=str(folder), eos_token_ids=eos)
+
+
+def read_generation_eos(folder: Path):
+    """eos_token_id of the folder's generation_config.json (an int, a list or None)."""
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise UserFacingError(f"{file} is not valid JSON ({err}); re-download the model or delete that file.") from None
+
+
+def eos_token_ids(*sources) -> tuple[int, ...]:
+    """The union of the eos ids of each source: an int, a list of ints, or an object with eos_token_id."""
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", source)
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
 
 
 def gguf_architecture(path: Path) -> str:
@@ -222,4 +249,6 @@ def load_gguf(path: Path) -> Checkpoint:
     check_llama_config(config, path.name)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
-    return Checkpoint("gguf", str(path), None, config, state, tokenizer, path=str(path))
+    # The GGUF's tokenizer.ggml.eos_token_id reaches both the tokenizer and the generation config.
+    eos = eos_token_ids(getattr(model, "generation_config", None), config, tokenizer)
+    return Checkpoint("gguf", str(path), None, config, state, tokenizer, path=str(path), eos_token_ids=eos)

@@ -14,11 +14,22 @@ def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
-    ids = set()
-    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
+def stop_token_ids(tokenizer, eos_token_ids=()) -> set[int]:
+    """The checkpoint's eos ids (models.checkpoint.Checkpoint.eos_token_ids) plus the tokenizer's own."""
+    ids = set(eos_token_ids)
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def prompt_text(tokenizer, prompt: str) -> str:
+    """The text whose tokens, without any special tokens added, are prompt_token_ids: what a runner that
+    takes raw text (ExecuTorch's TextLLMRunner, num_bos=0) must be given."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    ids, bare = tokenizer.encode(prompt), tokenizer.encode(prompt, add_special_tokens=False)
+    # A plain model whose tokenizer adds BOS (Llama 2, TinyLlama): the BOS goes in as its text.
+    added = ids[: len(ids) - len(bare)] if ids[len(ids) - len(bare):] == bare else []
+    return "".join(tokenizer.convert_ids_to_tokens(added)) + prompt

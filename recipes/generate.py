@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +32,7 @@ class Generation:
     new_tokens: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    tokens: list[int] = field(default_factory=list)  # the new token ids, stop token included
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,7 +67,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    generation_config=None,
+    stop_ids=(),
 ) -> Generation:
     """`step(tokens[1, T], input_pos[1]) -> logits[1, T, vocab]` runs the model and advances its cache. The
     logits need only last until the next call (the runtime's step lends its output buffer), and the step must
@@ -77,7 +78,7 @@ def generate(
             f"prompt ({len(ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the context of "
             f"{max_seq_len}; shorten the prompt, lower max new tokens or raise max context."
         )
-    stops = stop_token_ids(tokenizer, generation_config)
+    stops = stop_token_ids(tokenizer, stop_ids)
     generator = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     logits = step(torch.tensor([ids], dtype=torch.long), torch.tensor([0], dtype=torch.long))
@@ -109,6 +110,7 @@ def generate(
         new_tokens=len(out),
         prefill_tokens_per_s=round(len(ids) / prefill_s, 2) if prefill_s > 0 else 0.0,
         decode_tokens_per_s=round(decoded_steps / decode_s, 2) if decode_s > 0 and decoded_steps else 0.0,
+        tokens=out,
     )
 
 

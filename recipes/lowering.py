@@ -138,14 +138,16 @@ def lower_to_pte(
     transform_passes: list | None = None,
     compile_config=None,
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext,
+    constant_methods: dict | None = None,
 ) -> LoweredProgram:
     """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
-    and to_executorch and left before this returns."""
+    and to_executorch and left before this returns. constant_methods: methods that return a constant
+    (recipes.llm_metadata), kept in the .pte."""
     with lowering_context():
-        return _lower(program, partitioners, transform_passes, compile_config)
+        return _lower(program, partitioners, transform_passes, compile_config, constant_methods)
 
 
-def _lower(program, partitioners, transform_passes, compile_config) -> LoweredProgram:
+def _lower(program, partitioners, transform_passes, compile_config, constant_methods) -> LoweredProgram:
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     counter = _EdgeOpCounter()
@@ -158,6 +160,7 @@ def _lower(program, partitioners, transform_passes, compile_config) -> LoweredPr
                 program,
                 partitioner=partitioners,
                 transform_passes=[*(transform_passes or []), counter],
+                constant_methods=constant_methods,
                 compile_config=compile_config,
             )
     finally:
@@ -179,15 +182,16 @@ def _lower(program, partitioners, transform_passes, compile_config) -> LoweredPr
     )
 
 
-def lower_for_backend(program: torch.export.ExportedProgram, backend, partitioners: list) -> LoweredProgram:
+def lower_for_backend(program: torch.export.ExportedProgram, backend, partitioners: list, **options) -> LoweredProgram:
     """lower_to_pte with what the backend (a recipes.registry.Backend) adds: its edge compile config, its
-    transform passes and its lowering context."""
+    transform passes and its lowering context. `options`: lower_to_pte's other keywords."""
     return lower_to_pte(
         program,
         partitioners,
         transform_passes=backend.transform_passes() if backend.transform_passes else None,
         compile_config=backend.edge_compile_config() if backend.edge_compile_config else None,
         lowering_context=backend.lowering_context,
+        **options,
     )
 
 

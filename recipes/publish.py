@@ -1,4 +1,4 @@
-"""Publish one recipe's output (model.pte + report.json) to a Hugging Face Hub model repo with a generated
+"""Publish one recipe's folder (model.pte, tokenizer.json, tokenizer_config.json, report.json) to a Hugging Face Hub model repo with a generated
 model card. Used by the app's "Push to Hub" button and callable from scripts:
 
     from recipes.publish import push_to_hub
@@ -12,10 +12,16 @@ import tempfile
 from pathlib import Path
 
 from errors import UserFacingError
+from recipes.tokenizer_files import TOKENIZER_FILES
+
+SHIPPED_FILES = ("model.pte", *TOKENIZER_FILES, "report.json")
 
 
-def model_card(report: dict) -> str:
-    """README.md for the repo: base model, recipe, delegation summary, fidelity when measured, versions."""
+def model_card(report: dict, chat_template: str | None = None) -> str:
+    """README.md for the repo: base model, recipe, how to run the files, delegation summary, fidelity when
+    measured, versions."""
+    from recipes.how_to_run import how_to_run
+
     model, recipe = report["model"], report["recipe"]
     delegation = report.get("delegation") or {}
     base = model.get("id") or "unknown"
@@ -30,9 +36,10 @@ def model_card(report: dict) -> str:
         lines += [f"It runs on {recipe['runs_on']}.", ""]
     if model.get("revision"):
         lines += [f"Base model revision: `{model['revision']}`.", ""]
-    options = recipe.get("options") or {}
+    options = {k: v for k, v in (recipe.get("options") or {}).items() if k != "device_runner"}  # in How to run
     if options:
         lines += ["Recipe options: " + ", ".join(f"`{k}={v}`" for k, v in sorted(options.items())) + ".", ""]
+    lines += how_to_run(report, chat_template)
     if delegation:
         lines += ["## Delegation", "",
                   f"{delegation.get('delegated_nodes')} nodes delegated to {recipe['backend']} in "
@@ -42,11 +49,13 @@ def model_card(report: dict) -> str:
         lines += ["## Fidelity against fp32", "", "```json", json.dumps(report["fidelity"], indent=2), "```", ""]
     generations = report.get("generations") or []
     if generations:
-        lines += ["## Sample generations", "", "| engine | decode tok/s | text |", "|---|---|---|"]
+        lines += ["## Sample generations", "", "| engine | prefill tok/s | decode tok/s | text |", "|---|---|---|---|"]
         for g in generations:
             text = g["text"].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {g['engine']} | {g['decode_tokens_per_s']} | {text} |")
+            lines.append(f"| {g['engine']} | {g['prefill_tokens_per_s']} | {g['decode_tokens_per_s']} | {text} |")
         lines.append("")
+        if report.get("runner_note"):
+            lines += [f"ExecuTorch's LLM runner did not run this file here: {report['runner_note']}.", ""]
     pte = report.get("pte") or {}
     if pte:
         lines += [f"`model.pte`: {pte['bytes']} bytes, sha256 `{pte['sha256']}`.", ""]
@@ -58,7 +67,7 @@ def model_card(report: dict) -> str:
 
 def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private: bool = False) -> str:
     """Creates `repo_id` if needed (a name without 'owner/' goes to the token's user) and uploads
-    model.pte, report.json and README.md in one commit. Returns the commit URL."""
+    the folder's files (SHIPPED_FILES) and README.md in one commit. Returns the commit URL."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -71,10 +80,13 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
     if not token:
         raise UserFacingError("pushing needs a Hugging Face token with write access; log in or paste a token.")
     recipe_dir = Path(recipe_dir)
-    pte, report_file = recipe_dir / "model.pte", recipe_dir / "report.json"
-    if not pte.is_file() or not report_file.is_file():
-        raise UserFacingError(f"{recipe_dir} has no finished model.pte + report.json; run the recipe first.")
-    report = json.loads(report_file.read_text())
+    missing = [name for name in SHIPPED_FILES if not (recipe_dir / name).is_file()]
+    if missing:
+        raise UserFacingError(f"{recipe_dir} has no {', '.join(missing)}; run the recipe first.")
+    report = json.loads((recipe_dir / "report.json").read_text())
+    chat_template = json.loads((recipe_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if isinstance(chat_template, list):  # several named templates: the runners' prompt is the default one
+        chat_template = next((t.get("template") for t in chat_template if t.get("name") == "default"), None)
     repo_id = repo_id.strip()
     if not repo_id:
         raise UserFacingError("give a repo name to push to, e.g. 'smollm2-xnnpack-8da4w'.")
@@ -86,9 +98,9 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         with tempfile.TemporaryDirectory() as staging:
             staging = Path(staging)
-            shutil.copy(pte, staging / "model.pte")
-            shutil.copy(report_file, staging / "report.json")
-            (staging / "README.md").write_text(model_card(report))
+            for name in SHIPPED_FILES:
+                shutil.copy(recipe_dir / name, staging / name)
+            (staging / "README.md").write_text(model_card(report, chat_template))
             commit = api.upload_folder(
                 repo_id=repo_id, folder_path=staging, repo_type="model",
                 commit_message=f"Add {report['recipe']['name']} ExecuTorch program (Lowerbench)",

@@ -33,6 +33,15 @@ SHIM_CHECKED_VERSIONS = ("v2.47.", "v2.51.")
 SHIM_LABEL = ("QNN {version} libraries from onnxruntime-qnn {wheel} with a struct-layout shim "
               "— for lowering checks, not for shipping")
 
+# What runs this .pte on a device: its metadata and forward(tokens, input_pos) are what ExecuTorch's generic
+# LLM runner reads; Qualcomm's own runner wants another program layout (docs/qnn.md).
+DEVICE_RUNNER = (
+    "ExecuTorch's LLM runner (llama_main, TextLLMRunner) built with the QNN backend: it prefills one token per call "
+    "(enable_dynamic_shape is 0). Not Qualcomm's qnn_llama_runner (examples/qualcomm/oss_scripts/llama), which needs "
+    "kv_forward/prefill_forward methods that take and return the K/V caches, an attention mask and position ids; "
+    "this program keeps its caches inside. Not yet run on a device."
+)
+
 NO_QNN_LIBRARIES = (
     "QNN lowering needs Qualcomm's QNN host libraries (libQnnHtp.so, libQnnSystem.so) and none were found "
     "(looked in $QNN_SDK_ROOT/lib/x86_64-linux-clang, LD_LIBRARY_PATH and {cache}). "
@@ -263,7 +272,8 @@ def qnn_partitioners(options: dict) -> list:
 def describe_qnn_options(options: dict) -> dict:
     """What this .pte was compiled for, and with which libraries (loaded by qnn_partitioners)."""
     soc, arch = chipset(options)
-    return {"soc": soc.name, "htp_arch": arch, "qnn_libraries": load_qnn_libraries().label}
+    return {"soc": soc.name, "htp_arch": arch, "qnn_libraries": load_qnn_libraries().label,
+            "device_runner": DEVICE_RUNNER}
 
 
 # scheme -> QuantDtype member of executorch.backends.qualcomm.quantizer.quantizer

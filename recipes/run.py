@@ -23,6 +23,8 @@ from models.llama import ExportOptions, build_exportable
 from quant.schemes import SCHEMES, apply_scheme
 from recipes import fidelity
 from recipes import generate as gen
+from recipes import llm_runner
+from recipes.llm_metadata import llm_metadata
 from recipes.lowering import export_program, lower_for_backend, write_atomically
 from recipes.registry import Recipe, get_recipe
 
@@ -133,7 +135,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     thread_policy.torch_threads()
     recipes = [get_recipe(name) for name in request.recipes]
     validate_request(request, recipes)
-    stages = _Stages(progress, cancel, total=3 + 6 * len(recipes))
+    stages = _Stages(progress, cancel, total=3 + 7 * len(recipes))
     out_dir = Path(request.out_dir)
     shared_timings: dict = {}
 
@@ -144,6 +146,9 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     )
     stages.end(started, shared_timings, "load")
     check_context(checkpoint, request)
+    from recipes.tokenizer_files import tokenizer_files
+
+    shipped_tokenizer = tokenizer_files(checkpoint.tokenizer)
     from quant.schemes import check_group_size_fits
 
     for recipe in recipes:
@@ -170,7 +175,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     for recipe in recipes:
         recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
         report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir,
-                             eval_reference=eval_reference)
+                             eval_reference=eval_reference, shipped_tokenizer=shipped_tokenizer)
         reports.append(report)
     summary = {"model": checkpoint.describe(), "reference": reference.to_dict() if reference else None,
                "recipes": reports}
@@ -185,7 +190,7 @@ def _generate(step, engine: str, checkpoint: Checkpoint, request: RunRequest) ->
     return gen.generate(
         step, engine, checkpoint.tokenizer, request.prompt, request.max_new_tokens, request.max_seq_len,
         temperature=request.temperature, top_p=request.top_p,
-        generation_config=getattr(checkpoint, "generation_config", None),
+        stop_ids=checkpoint.eos_token_ids,
     )
 
 
@@ -247,7 +252,7 @@ def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
-                eval_reference: tuple | None = None) -> dict:
+                eval_reference: tuple | None = None, shipped_tokenizer: dict[str, bytes] | None = None) -> dict:
     timings = dict(shared_timings)
     report = {
         "model": checkpoint.describe(),
@@ -258,6 +263,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "threads": thread_policy.describe(),
         "timings_s": timings,
         "pte": None,
+        "llm_metadata": None,
         "delegation": None,
         "generations": [reference.to_dict()] if reference else [],
         "fidelity": None,
@@ -271,7 +277,9 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         options = report["recipe"]["options"]
         partitioners = recipe.make_partitioners(options)
         report["recipe"]["options"] = {**options, **backend.describe_options(options)}
-        lowered = lower_for_backend(program, backend, partitioners)
+        report["llm_metadata"] = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
+                                              _stop_ids(checkpoint))
+        lowered = lower_for_backend(program, backend, partitioners, constant_methods=report["llm_metadata"])
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         report["delegation"] = lowered.delegation
@@ -306,9 +314,40 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         write_atomically(pte_path, lowered.pte)
         report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte),
                          "sha256": hashlib.sha256(lowered.pte).hexdigest()}
+        for name, data in (shipped_tokenizer or {}).items():
+            write_atomically(recipe_dir / name, data)
+        if request.generate and recipe.backend.cannot_run_here() is None:
+            started = stages.begin(f"generating with ExecuTorch's LLM runner ({recipe.name})")
+            _runner_generation(recipe, checkpoint, request, recipe_dir, report)
+            stages.end(started, timings, "runner_generate")
     timings["peak_rss_mb"] = peak_rss_mb()
     write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())
     return report
+
+
+def _stop_ids(checkpoint: Checkpoint) -> set[int]:
+    from models.prompting import stop_token_ids
+
+    return stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids)
+
+
+def _runner_generation(recipe, checkpoint, request, recipe_dir: Path, report: dict) -> None:
+    """The folder's files in ExecuTorch's LLM runner; its generation goes before the step loop's, which stays
+    for fidelity and is what the column shows when the runner cannot take the file (the report says why)."""
+    try:
+        generation = llm_runner.generate_with_runner(
+            recipe_dir / "model.pte", recipe_dir / "tokenizer.json", checkpoint.tokenizer, request.prompt,
+            request.max_new_tokens, temperature=request.temperature, eos_token_ids=checkpoint.eos_token_ids,
+            runtime_imports=recipe.backend.runtime_imports,
+        )
+    except llm_runner.RunnerFailed as err:
+        report["runner_note"] = str(err)
+        return
+    except Exception as err:  # the runner's failure must not withhold the step loop's generation or the files
+        report["runner_note"] = f"ExecuTorch's LLM runner failed: {type(err).__name__}: {err}"
+        return
+    first_recipe_generation = 1 if report["generations"] and report["generations"][0]["engine"] == gen.ENGINE_EAGER_FP32 else 0
+    report["generations"].insert(first_recipe_generation, generation.to_dict())
 
 
 def _recipe_engine(recipe, module, lowered, report) -> tuple:

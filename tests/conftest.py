@@ -42,6 +42,68 @@ def _random_llama_dir(tmp_path_factory, name: str, hidden: int, intermediate: in
     return folder
 
 
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE tokenizer with a ChatML chat template, the kind ExecuTorch's LLM runner loads
+    (SmolLM2's and Llama 3's are byte-level BPE). Trained on ASCII only: every token is whole UTF-8 text,
+    which the runner's Python token callback needs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    sentences = ["the capital of France is Paris .\n", "hello world , how are you ?\n", "what is the capital ?\n",
+                 "user\nassistant\nsystem\n"]
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|eot|>"]
+    tok.train_from_iterator(sentences, trainers.BpeTrainer(vocab_size=120, special_tokens=specials))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def runner_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama (seed 1) with the byte-level tokenizer and a Llama-3-style generation_config.json whose
+    eos_token_id lists three stop ids (</s>, <|im_end|>, <|eot|>)."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("runner-llama")
+    tokenizer = _byte_level_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(1)  # seed 0 answers the test prompt with one token over and over
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    stops = tokenizer.convert_tokens_to_ids(["</s>", "<|im_end|>", "<|eot|>"])
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": stops}))
+    return folder
+
+
+def _fp32_run(tmp_path_factory, name: str, model_dir, prompt: str, max_new_tokens: int):
+    """`model_dir` through `run()` with xnnpack-fp32 at a context of 64: (recipe folder, report)."""
+    from recipes.run import RunRequest, run
+
+    out = tmp_path_factory.mktemp(name)
+    summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(model_dir),
+                             prompt=prompt, max_new_tokens=max_new_tokens, max_seq_len=64))
+    return out, summary["recipes"][0]
+
+
+@pytest.fixture(scope="session")
+def runner_llama_run(runner_llama_dir, tmp_path_factory):
+    """runner_llama_dir through `run()` with xnnpack-fp32: a folder the LLM runner takes."""
+    return _fp32_run(tmp_path_factory, "runner-llama-run", runner_llama_dir, "what is the capital of France ?", 8)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A random 2-layer Llama (hidden 64, MLP 128)."""
@@ -186,12 +248,7 @@ def builtin_8da4w_run(builtin_run):
 @pytest.fixture(scope="session")
 def tiny_fp32_run(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama through `run()` with xnnpack-fp32: a finished recipe folder (model.pte + report.json)."""
-    from recipes.run import RunRequest, run
-
-    out = tmp_path_factory.mktemp("tiny-fp32-run")
-    summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(tiny_llama_dir),
-                             prompt="the capital of France is", max_new_tokens=4, max_seq_len=64))
-    return out, summary["recipes"][0]
+    return _fp32_run(tmp_path_factory, "tiny-fp32-run", tiny_llama_dir, "the capital of France is", 4)
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
     assert generations.index("eager-fp32") < generations.index("executorch-runtime")
     assert generations.count("executorch-runtime") == 2
     names = sorted(Path(f).name for f in files)
-    assert names == ["model.pte", "model.pte", "report.json", "report.json"]
+    assert names == sorted(["model.pte", "tokenizer.json", "tokenizer_config.json", "report.json"] * 2)
     jobs = [p for p in app["jobs"].iterdir()]
     job = next(j for j in jobs if j.name in status)
     for recipe in ("xnnpack-fp32", "xnnpack-8da4w"):
@@ -223,6 +223,10 @@ def test_model_card_describes_the_recipe(tiny_fp32_run):
     assert "xnnpack-fp32" in card and "## Delegation" in card and "% delegated" in card
     assert "top1_agreement" in card and "torch " in card and "executorch " in card
     assert report["pte"]["sha256"] in card
+    assert "TextLLMRunner(\"model.pte\", \"tokenizer.json\")" in card and "llama_main --model_path=model.pte" in card
+    assert "adb push tokenizer.json" in card and "etLLM" in card and "get_max_seq_len" in card
+    chat = model_card(report, chat_template="{{ '<|im_start|>' }}")
+    assert "```jinja\n{{ '<|im_start|>' }}\n```" in chat and "`QWEN_3`" in chat and "smollm3-model.pte" in chat
 
 
 def test_push_refuses_cleanly_without_a_token(tiny_fp32_run):
@@ -245,7 +249,8 @@ def test_push_to_hub_creates_the_repo_and_round_trips(hub, tiny_fp32_run, tmp_pa
     url = push_to_hub(folder, "tiny-xnnpack", token=GOOD_TOKEN)
     assert url.startswith(hub.endpoint + "/tester/tiny-xnnpack/commit/")
     assert hub.commits[-1][0] == "tester/tiny-xnnpack"
-    assert sorted(hub.commits[-1][2]) == ["README.md", "model.pte", "report.json"]
+    assert sorted(hub.commits[-1][2]) == ["README.md", "model.pte", "report.json", "tokenizer.json",
+                                          "tokenizer_config.json"]
     pte = hf_hub_download("tester/tiny-xnnpack", "model.pte", token=GOOD_TOKEN, cache_dir=tmp_path)
     assert Path(pte).read_bytes() == (folder / "model.pte").read_bytes()
 

@@ -28,6 +28,7 @@ class WithAcosh(torch.nn.Module):
 def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     from models.llama import build_exportable
     from quant.schemes import apply_scheme
+    from recipes.llm_metadata import llm_metadata
     from recipes.lowering import export_program, lower_for_backend
     from recipes.registry import get_recipe
 
@@ -36,7 +37,9 @@ def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     module = WithAcosh(build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options))
     apply_scheme(module, recipe.quantization)
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
-    return lower_for_backend(program, recipe.backend, recipe.make_partitioners(recipe.options))
+    metadata = llm_metadata(program, options.max_seq_len, tiny_checkpoint.config, tiny_checkpoint.tokenizer, [2])
+    return lower_for_backend(program, recipe.backend, recipe.make_partitioners(recipe.options),
+                             constant_methods=metadata)
 
 
 def test_coreml_recipes_registered_and_say_where_they_run():
@@ -78,6 +81,16 @@ def test_unsupported_op_stays_outside_with_its_reason(tiny_coreml_int8_with_acos
     assert "aten.scaled_dot_product_attention.default" in table["preserved_ops"]["CoreMLPartitioner"]
     assert table["edge_nodes_before_partitioning"] == tiny_coreml_int8_with_acosh.edge_nodes_before_partitioning
     assert ops["aten_linear_default"]["before_partitioning"] == 15
+
+
+def test_coreml_pte_lists_the_llm_runners_metadata_methods(tiny_coreml_int8_with_acosh):
+    """What ExecuTorch's iOS runner reads at load; the program API lists them without running the delegate."""
+    from executorch.runtime import Runtime
+
+    from tests.test_deploy import METADATA_METHODS
+
+    methods = set(Runtime.get().load_program(tiny_coreml_int8_with_acosh.pte).method_names)
+    assert methods == METADATA_METHODS | {"forward"}
 
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="the Core ML runtime exists on macOS")

@@ -1,0 +1,87 @@
+"""The model card's "How to run" section: the recipe folder's files in ExecuTorch's own LLM runner (Python
+TextLLMRunner, llama_main) and in ExecuTorch's Android and iOS demo apps, plus the chat template as text,
+since every one of them takes raw text. Facts from executorch 1.4.1 and meta-pytorch/executorch-examples."""
+from __future__ import annotations
+
+# Chat formats the demo apps know, by a token their templates use: (Android LlamaDemo model type,
+# etLLM file-name prefix; etLLM picks its prompt format from the .pte's name).
+_APP_FORMATS = {
+    "<|start_header_id|>": ("LLAMA_3", "llama"),
+    "<|im_start|>": ("QWEN_3", "smollm3"),
+}
+
+
+def how_to_run(report: dict, chat_template: str | None) -> list[str]:
+    recipe, metadata = report["recipe"], report.get("llm_metadata") or {}
+    lines = ["## How to run", "",
+             "The files: `model.pte` (the program, with the metadata methods ExecuTorch's LLM runners read: "
+             + ", ".join(f"`{k}`={v}" for k, v in metadata.items())
+             + "), `tokenizer.json` (what the runners load), `tokenizer_config.json` (the chat template) and "
+             "`report.json`.", ""]
+    if report.get("runtime_note"):
+        lines += [f"Where it runs: {report['runtime_note']}.", ""]
+    if (recipe.get("options") or {}).get("device_runner"):
+        lines += [f"Device runner: {recipe['options']['device_runner']}", ""]
+    lines += _python(recipe) + _llama_main() + _apps(chat_template) + _template(chat_template)
+    return lines
+
+
+def _python(recipe: dict) -> list[str]:
+    return ["### Python: ExecuTorch's TextLLMRunner (in the `executorch` wheel)", "", "```python",
+            "import torch  # loads libtorch, which the runner links against",
+            "from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  llama::custom_sdpa, update_cache",
+            "import executorch.kernels.quantized  # noqa: F401  quantized embedding kernels",
+            "from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner",
+            "from transformers import AutoTokenizer",
+            "",
+            'runner = TextLLMRunner("model.pte", "tokenizer.json")',
+            "# The runner takes raw text: apply the chat template first (tokenizer_config.json holds it).",
+            'prompt = AutoTokenizer.from_pretrained(".").apply_chat_template(',
+            '    [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)',
+            "runner.generate(prompt, GenerationConfig(max_new_tokens=128, temperature=0.0, echo=False),",
+            '                token_callback=lambda piece: print(piece, end="", flush=True),',
+            "                stats_callback=lambda stats: print(stats.to_json_string()))",
+            "```", "",
+            f"Lowerbench ran exactly these lines' runner on this folder where a `{recipe['backend']}` program runs on its "
+            "host; its answer and statistics are under Sample generations (engine `executorch-llm-runner`).", ""]
+
+
+def _llama_main() -> list[str]:
+    return ["### C++: `llama_main`", "",
+            "Build it as ExecuTorch's `examples/models/llama/README.md` says (v1.4.1), with the backend this program "
+            "delegates to, then:", "", "```sh",
+            "cmake-out/examples/models/llama/llama_main --model_path=model.pte --tokenizer_path=tokenizer.json \\",
+            '  --prompt="$(cat prompt.txt)" --temperature=0 --max_new_tokens=128 --warmup=1',
+            "```", "",
+            "`prompt.txt` is the prompt with the chat template below applied. `--num_bos` stays 0: the template "
+            "writes any BOS itself.", ""]
+
+
+def _apps(chat_template: str | None) -> list[str]:
+    android_type, ios_prefix = next(
+        (formats for token, formats in _APP_FORMATS.items() if chat_template and token in chat_template),
+        (None, None))
+    lines = ["### Android: ExecuTorch's LlamaDemo app (meta-pytorch/executorch-examples, `llm/android/LlamaDemo`)", "",
+             "```sh", "adb shell mkdir -p /data/local/tmp/llama",
+             "adb push model.pte /data/local/tmp/llama/", "adb push tokenizer.json /data/local/tmp/llama/", "```", "",
+             "In the app's settings pick `model.pte` as the model and `tokenizer.json` as the tokenizer. The app wraps "
+             "your text in the prompt format of the model type you choose: "
+             + (f"choose `{android_type}`, whose format is this model's chat template." if android_type else
+                "no built-in type has this model's chat template, so edit the prompt templates in the settings to "
+                "the template below."), "",
+             "### iOS / macOS: ExecuTorch's etLLM app (meta-pytorch/executorch-examples, `llm/apple`)", "",
+             "Copy `model.pte` and `tokenizer.json` into the app's folder (Finder or Files: On My iPhone > etLLM) and "
+             "select them in the app. etLLM picks its prompt format from the `.pte`'s file name: "
+             + (f"rename it to `{ios_prefix}-model.pte`, whose format is this model's chat template." if ios_prefix else
+                "none of its formats is this model's chat template, so its answers will be off until the app "
+                "formats prompts with the template below."), ""]
+    return lines
+
+
+def _template(chat_template: str | None) -> list[str]:
+    if not chat_template:
+        return ["### Prompt format", "", "This tokenizer has no chat template: give the runners the plain text.", ""]
+    return ["### Chat template (Jinja, from tokenizer_config.json)", "",
+            "The runners take raw text; render this template with your messages and `add_generation_prompt=True` "
+            "(transformers' `apply_chat_template(..., tokenize=False)` does) and pass the result as the prompt.", "",
+            "```jinja", chat_template, "```", ""]

@@ -277,6 +277,7 @@ CSS = """
 .lb-engine {font-size: 0.85em; opacity: 0.8; margin-bottom: 6px}
 .lb-text {white-space: pre-wrap}
 .lb-error {color: var(--error-text-color, #b91c1c); white-space: pre-wrap}
+.lb-backend .info-text {color: var(--body-text-color)}
 """
 
 
@@ -305,7 +306,8 @@ def recipe_picker(grouped: dict[str, list]) -> list:
     return [
         gr.CheckboxGroup([(recipe_label(r), r.name) for r in recipes],
                          value=[r.name for r in recipes if r.name == "xnnpack-8da4w"],
-                         label=backend, info=where_it_runs(recipes[0]), elem_id=f"recipes-{backend}")
+                         label=backend, info=where_it_runs(recipes[0]), elem_id=f"recipes-{backend}",
+                         elem_classes=["lb-backend"])
         for backend, recipes in grouped.items()
     ]
 
@@ -433,15 +435,16 @@ def lower_page() -> None:
         with gr.Column(scale=1):
             gr.Markdown("**Recipes** (every ticked recipe runs)")
             recipe_lists = recipe_picker(grouped)
-            recipes_box = gr.Dropdown(all_recipes, value=ticked(*[c.value for c in recipe_lists])[0],
-                                      multiselect=True, label="Recipes", visible=False)
             with gr.Accordion("Advanced", open=False):
                 max_seq_len = gr.Number(512, label="Max context (tokens)", precision=0, minimum=16)
                 group_size = gr.Number(32, label="Weight group size", precision=0, minimum=0)
                 export_only = gr.Checkbox(False, label="Lower only: write the .pte and its delegation report, "
                                                        "no sample generations or fidelity")
                 option_inputs = option_fields(option_defaults)
-                options_box = gr.JSON(ticked(*[c.value for c in recipe_lists + option_inputs])[1], visible=False)
+            # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
+            picked, picked_options = ticked(*[c.value for c in [*recipe_lists, *option_inputs]])
+            recipes_box = gr.Dropdown(all_recipes, value=picked, multiselect=True, label="Recipes", visible=False)
+            options_box = gr.JSON(picked_options, visible=False)
             prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
             max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
             with gr.Row():

@@ -154,13 +154,24 @@ def cancel_job(session: str) -> bool:
 
 
 def backends() -> dict[str, list]:
+    """Recipes grouped by backend name, in the registry's order: the backends whose .pte runs here first."""
     from recipes.registry import RECIPES, load_backends
 
-    load_backends()
-    grouped: dict[str, list] = {}
-    for recipe in sorted(RECIPES.values(), key=lambda r: (r.backend.name, r.name)):
-        grouped.setdefault(recipe.backend.name, []).append(recipe)
-    return grouped
+    registry = load_backends()
+    return {name: [r for r in RECIPES.values() if r.backend is backend]
+            for name, backend in registry.backends.items() if any(r.backend is backend for r in RECIPES.values())}
+
+
+def where_it_runs(backend) -> str:
+    """One line under a backend's recipes: where its .pte runs, and whether that is here."""
+    why = backend.cannot_run_here()
+    if why is None:
+        return f"Runs here: {backend.runs_on}; its column shows the .pte's own output."
+    return f"Its .pte runs on {backend.runs_on}. Not here: {why}"
+
+
+def recipe_label(recipe) -> str:
+    return f"{recipe.name} — {recipe.description}"
 
 
 def backend_option_defaults(grouped: dict[str, list]) -> dict[tuple[str, str], object]:
@@ -219,6 +230,8 @@ def delegation_frame(rows: list[dict]):
 
 def generation_columns(summary: dict) -> str:
     """fp32 eager first, then one column per recipe; a failed recipe shows its error in its own column."""
+    if summary["reference"] is None:
+        return '<div class="lb-engine">Lower only: no sample generations were asked for.</div>'
     columns = [("fp32 reference", summary["reference"], None, None)]
     for report in summary["recipes"]:
         generated = [g for g in report["generations"] if g["engine"] != "eager-fp32"]
@@ -260,10 +273,70 @@ CSS = """
 .lb-engine {font-size: 0.85em; opacity: 0.8; margin-bottom: 6px}
 .lb-text {white-space: pre-wrap}
 .lb-error {color: var(--error-text-color, #b91c1c); white-space: pre-wrap}
+.lb-backend .info-text {color: var(--body-text-color)}
 """
 
 
+def shown_error(message: str) -> str:
+    """What the status area says after a failed action, so the message outlives its toast."""
+    return f'<div class="lb-error" role="alert">Error: {html.escape(message)}</div>'
+
+
+_LAST_ERRORS: dict[tuple[str, str], str] = {}  # (session, action) -> its last failure's message, until shown
+
+
+def remember_error(session: str | None, action: str, message: str) -> None:
+    if session:
+        _LAST_ERRORS[(session, action)] = message
+
+
+def last_error(session: str | None, action: str) -> str:
+    message = _LAST_ERRORS.pop((session, action), None)
+    return shown_error(message or "the action failed; the server log has the details.")
+
+
+def recipe_picker(grouped: dict[str, list]) -> list:
+    """One tick list per backend, each with the line saying where its .pte runs; every ticked recipe runs."""
+    import gradio as gr
+
+    return [
+        gr.CheckboxGroup([(recipe_label(r), r.name) for r in recipes],
+                         value=[r.name for r in recipes if r.name == "xnnpack-8da4w"],
+                         label=recipes[0].backend.title, info=where_it_runs(recipes[0].backend),
+                         elem_id=f"recipes-{backend}",
+                         elem_classes=["lb-backend"])
+        for backend, recipes in grouped.items()
+    ]
+
+
+def option_fields(option_defaults: dict) -> list:
+    import gradio as gr
+
+    fields = []
+    for (backend, key), default in option_defaults.items():
+        label = f"{backend}: {key}"
+        if isinstance(default, bool):
+            fields.append(gr.Checkbox(default, label=label))
+        elif isinstance(default, (int, float)):
+            fields.append(gr.Number(default, label=label))
+        else:
+            fields.append(gr.Textbox(str(default), label=label))
+    return fields
+
+
 def build_app():
+    import gradio as gr
+
+    with gr.Blocks(title="Lowerbench") as demo:
+        gr.Markdown("# Lowerbench\nLower a Llama checkpoint to ExecuTorch with one or more backend recipes and "
+                    "compare them side by side. The same runs from a script: `python -m recipes run --recipe A "
+                    "--recipe B --out DIR`.")
+        lower_page()
+    return demo
+
+
+def lower_page() -> None:
+    """The model, the recipes and the run settings; then the job's status and its results."""
     import gradio as gr
     import pandas as pd
 
@@ -274,16 +347,16 @@ def build_app():
     all_recipes = [r.name for recipes in grouped.values() for r in recipes]
     option_defaults = backend_option_defaults(grouped)
 
-    def selected_recipes(*values):
-        enabled, choices = values[: len(grouped)], values[len(grouped):]
-        return [name for on, names in zip(enabled, choices) if on for name in names or []]
-
-    def collect_options(*values):
-        return {key: value for (_, key), value in zip(option_defaults, values)}
+    def ticked(*values):
+        """The ticks at the moment Lower is pressed: the recipes (every list) and the backend options."""
+        lists, options = values[: len(grouped)], values[len(grouped):]
+        return ([name for names in lists for name in names or []],
+                {key: value for (_, key), value in zip(option_defaults, options)})
 
     def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
-              group_size, options, oauth_token: gr.OAuthToken | None = None, request: gr.Request = None,
-              progress=gr.Progress()):
+              group_size, options, export_only=False, oauth_token: gr.OAuthToken | None = None,
+              request: gr.Request = None, progress=gr.Progress()):
+        session = request.session_hash if request is not None else None
         try:
             model = choose_model(source, hub_repo, local_path)
             job = new_job_dir()
@@ -292,16 +365,17 @@ def build_app():
                 token=(oauth_token.token if oauth_token else None) or (token or "").strip() or None,
                 prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
                 options={**(options or {}), **({"group_size": int(group_size)} if group_size else {})},
+                generate=not export_only,
             )
-            session = request.session_hash if request is not None else job.name
             try:
-                summary = run_job(run_request, session, lambda f, m: progress(f, desc=m))
+                summary = run_job(run_request, session or job.name, lambda f, m: progress(f, desc=m))
             except UserFacingError:
                 shutil.rmtree(job, ignore_errors=True)  # a failed or cancelled job leaves nothing behind
                 raise
             finally:
                 ACTIVE_JOBS.discard(job)
         except UserFacingError as err:
+            remember_error(session, "lower", str(err))
             raise gr.Error(str(err), print_exception=False) from None
         rows = summary_rows(summary)
         ops = op_rows(summary)
@@ -316,6 +390,7 @@ def build_app():
                         value="all"),
             generation_columns(summary), download_files(summary),
             gr.Dropdown(choices=finished, value=finished[0] if finished else None), ops, dirs,
+            gr.Column(visible=True),
         )
 
     def cancel(request: gr.Request):
@@ -323,68 +398,61 @@ def build_app():
             return "Cancelling after the current stage…"
         return "No job of yours is running."
 
-    def push(recipe, repo_name, private, token, dirs, oauth_token: gr.OAuthToken | None = None):
+    def push(recipe, repo_name, private, token, dirs, oauth_token: gr.OAuthToken | None = None,
+             request: gr.Request = None):
         from recipes.publish import push_to_hub
 
-        if not recipe or recipe not in (dirs or {}):
-            raise gr.Error("run a recipe first, then choose which one to push.", print_exception=False)
+        session = request.session_hash if request is not None else None
         try:
+            if not recipe or recipe not in (dirs or {}):
+                raise UserFacingError("run a recipe first, then choose which one to push.")
             url = push_to_hub(dirs[recipe], repo_name or "", (oauth_token.token if oauth_token else None)
                               or (token or "").strip() or None, private=bool(private))
         except UserFacingError as err:
+            remember_error(session, "push", str(err))
             raise gr.Error(str(err), print_exception=False) from None
         return f"Pushed {recipe}: {url}"
 
-    with gr.Blocks(title="Lowerbench") as demo:
-        gr.Markdown("# Lowerbench\nLower a Llama checkpoint to ExecuTorch with one or more backend recipes and "
-                    "compare them side by side. The same runs from a script: `python -m recipes run --recipe A "
-                    "--recipe B --out DIR`.")
-        with gr.Row():
-            with gr.Column(scale=1):
-                source = gr.Radio([BUILTIN, HUB, LOCAL], value=BUILTIN, label="Model")
-                with gr.Row():
-                    hub_repo = gr.Textbox(label="Hub repo id", placeholder="HuggingFaceTB/SmolLM2-135M-Instruct")
-                    revision = gr.Textbox(label="Revision", placeholder="main")
-                local_path = gr.Textbox(label="Local path (Hugging Face folder or .gguf)")
-                if ON_SPACE:
-                    gr.LoginButton()
-                token = gr.Textbox(label="Hub token (for gated models and pushing; never stored)", type="password")
-            with gr.Column(scale=1):
-                enabled, choices = [], []
-                for backend, recipes in grouped.items():
-                    with gr.Group():
-                        enabled.append(gr.Checkbox(label=backend.upper(), value=backend == "xnnpack",
-                                                   elem_id=f"backend-{backend}"))
-                        choices.append(gr.CheckboxGroup(
-                            [(f"{r.quantization} — {r.description}", r.name) for r in recipes],
-                            value=[r.name for r in recipes if r.name == "xnnpack-8da4w"],
-                            label=f"{backend} quantization", elem_id=f"recipes-{backend}"))
-                recipes_box = gr.Dropdown(all_recipes, value=selected_recipes(
-                    *[c.value for c in enabled], *[c.value for c in choices]), multiselect=True,
-                    label="Recipes to run", interactive=False)
-                with gr.Accordion("Advanced", open=False):
-                    max_seq_len = gr.Number(512, label="Max context (tokens)", precision=0, minimum=16)
-                    group_size = gr.Number(32, label="Weight group size", precision=0, minimum=0)
-                    option_inputs = []
-                    for (backend, key), default in option_defaults.items():
-                        label = f"{backend}: {key}"
-                        if isinstance(default, bool):
-                            option_inputs.append(gr.Checkbox(default, label=label))
-                        elif isinstance(default, (int, float)):
-                            option_inputs.append(gr.Number(default, label=label))
-                        else:
-                            option_inputs.append(gr.Textbox(str(default), label=label))
-                    options_box = gr.JSON(collect_options(*[c.value for c in option_inputs]), visible=False)
-                prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
-                max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
-                with gr.Row():
-                    lower_btn = gr.Button("Lower", variant="primary")
-                    cancel_btn = gr.Button("Cancel", variant="stop")
-        status = gr.Markdown()
+    def lower_failed(request: gr.Request):
+        return last_error(request.session_hash, "lower"), gr.Column(visible=False)
+
+    def push_failed(request: gr.Request):
+        return last_error(request.session_hash, "push")
+
+    with gr.Row():
+        with gr.Column(scale=1):
+            source = gr.Radio([BUILTIN, HUB, LOCAL], value=BUILTIN, label="Model")
+            with gr.Row():
+                hub_repo = gr.Textbox(label="Hub repo id", placeholder="HuggingFaceTB/SmolLM2-135M-Instruct")
+                revision = gr.Textbox(label="Revision", placeholder="main")
+            local_path = gr.Textbox(label="Local path (Hugging Face folder or .gguf)")
+            if ON_SPACE:
+                gr.LoginButton()
+            token = gr.Textbox(label="Hub token (for gated models and pushing; never stored)", type="password")
+        with gr.Column(scale=1):
+            gr.Markdown("**Recipes** (every ticked recipe runs)")
+            recipe_lists = recipe_picker(grouped)
+            with gr.Accordion("Advanced", open=False):
+                max_seq_len = gr.Number(512, label="Max context (tokens)", precision=0, minimum=16)
+                group_size = gr.Number(32, label="Weight group size", precision=0, minimum=0)
+                export_only = gr.Checkbox(False, label="Lower only: write the .pte and its delegation report, "
+                                                       "no sample generations or fidelity")
+                option_inputs = option_fields(option_defaults)
+            # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
+            picked, picked_options = ticked(*[c.value for c in [*recipe_lists, *option_inputs]])
+            recipes_box = gr.Dropdown(all_recipes, value=picked, multiselect=True, label="Recipes", visible=False)
+            options_box = gr.JSON(picked_options, visible=False)
+            prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
+            max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
+            with gr.Row():
+                lower_btn = gr.Button("Lower", variant="primary")
+                cancel_btn = gr.Button("Cancel", variant="stop")
+    status = gr.Markdown(elem_id="status")
+
+    with gr.Column(visible=False) as results:
         summary_table = gr.DataFrame(label="Summary (one row per recipe)", elem_id="summary-table")
         chart = gr.BarPlot(x="recipe", y="nodes", color="kind", label="Delegated vs non-delegated nodes")
-        with gr.Row():
-            op_filter = gr.Dropdown(["all"], value="all", label="Per-op table: backend or recipe")
+        op_filter = gr.Dropdown(["all"], value="all", label="Per-op table: backend or recipe")
         op_table = gr.DataFrame(label="Per-op delegation")
         gr.Markdown("### Sample generations")
         generations = gr.HTML(elem_id="generations")
@@ -394,24 +462,24 @@ def build_app():
             repo_name = gr.Textbox(label="Repo (name, or owner/name; created if missing)")
             private = gr.Checkbox(False, label="Private")
             push_btn = gr.Button("Push to Hub")
-            push_status = gr.Markdown()
-        ops_state, dirs_state = gr.State([]), gr.State({})
+            push_status = gr.Markdown(elem_id="push-status")
+    ops_state, dirs_state = gr.State([]), gr.State({})
 
-        for component in [*enabled, *choices]:
-            component.change(selected_recipes, [*enabled, *choices], recipes_box, queue=False, api_visibility="private")
-        for component in option_inputs:
-            component.change(collect_options, option_inputs, options_box, queue=False, api_visibility="private")
-        lower_btn.click(
-            lower,
-            [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
-             group_size, options_box],
-            [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state],
-            api_name="lower",
-        )
-        cancel_btn.click(cancel, None, status, concurrency_limit=None, api_name="cancel")
-        op_filter.change(filter_ops, [ops_state, op_filter], op_table, queue=False, api_visibility="private")
-        push_btn.click(push, [push_recipe, repo_name, private, token, dirs_state], push_status, api_name="push")
-    return demo
+    lower_btn.click(
+        ticked, [*recipe_lists, *option_inputs], [recipes_box, options_box], queue=False, api_visibility="private",
+    ).success(
+        lower,
+        [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
+         group_size, options_box, export_only],
+        [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
+         results],
+        api_name="lower", show_progress_on=[status],
+    ).failure(lower_failed, None, [status, results], queue=False, api_visibility="private")
+    cancel_btn.click(cancel, None, status, concurrency_limit=None, api_name="cancel")
+    op_filter.change(filter_ops, [ops_state, op_filter], op_table, queue=False, api_visibility="private")
+    push_btn.click(push, [push_recipe, repo_name, private, token, dirs_state], push_status, api_name="push",
+                   show_progress_on=[push_status],
+                   ).failure(push_failed, None, push_status, queue=False, api_visibility="private")
 
 
 def main(argv: list[str] | None = None) -> None:

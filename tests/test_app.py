@@ -156,7 +156,7 @@ def launch_browser(playwright):
     return playwright.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
 
 
-def test_browser_error_toast_then_a_job_succeeds(app, tiny_llama_dir, tmp_path):
+def test_browser_error_stays_on_the_page_after_its_toast_then_a_job_succeeds(app, tiny_llama_dir, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
@@ -164,19 +164,68 @@ def test_browser_error_toast_then_a_job_succeeds(app, tiny_llama_dir, tmp_path):
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
         page.goto(app["url"])
         page.get_by_label("Hugging Face Hub repo").check()
-        page.get_by_label("Hub repo id").fill("../../etc")
+        page.get_by_label("Hub repo id").fill("../../etc/passwd")
         page.get_by_role("button", name="Lower", exact=True).click()
-        expect(page.get_by_text("is not a valid Hugging Face repo id").first).to_be_visible(timeout=60_000)
+        expect(page.locator(".toast-item").first).to_be_visible(timeout=60_000)
+        expect(page.locator(".toast-item")).to_have_count(0, timeout=60_000)
+        expect(page.locator("#status")).to_contain_text("'../../etc/passwd' is not a valid Hugging Face repo id")
+        expect(page.get_by_text("Error", exact=True)).to_have_count(0)  # no panel with a bare badge instead
         assert "Traceback" not in page.content()
+        page.screenshot(path=str(tmp_path / "error.png"), full_page=True)
+        shutil_copy(tmp_path / "error.png")
 
         page.get_by_label("Local path", exact=True).check()
         page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
         page.get_by_role("button", name="Lower", exact=True).click()
         expect(page.locator("#generations")).to_contain_text("executorch-runtime", timeout=600_000)
         expect(page.locator("#summary-table")).to_contain_text("xnnpack-8da4w")
+        expect(page.locator("#status")).to_contain_text("1 of 1 recipes finished")
+        expect(page.locator("#status")).not_to_contain_text("not a valid")
+
+        page.get_by_text("Push to Hub", exact=True).first.click()
+        page.get_by_label("Repo (name, or owner/name; created if missing)").fill("tiny-xnnpack")
+        page.get_by_role("button", name="Push to Hub", exact=True).last.click()
+        expect(page.locator(".toast-item").first).to_be_visible(timeout=60_000)
+        expect(page.locator(".toast-item")).to_have_count(0, timeout=60_000)
+        expect(page.locator("#push-status")).to_contain_text("pushing needs a Hugging Face token")
+        expect(page.get_by_text("Error", exact=True)).to_have_count(0)
         page.screenshot(path=str(tmp_path / "tiny.png"), full_page=True)
         shutil_copy(tmp_path / "tiny.png")
         browser.close()
+
+
+def test_browser_a_ticked_core_ml_recipe_alone_runs_exactly_that_recipe(app, tiny_llama_dir, tmp_path):
+    """The recipes are one list grouped by backend, the one whose .pte runs here first: what is ticked runs."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        groups = page.locator("[id^=recipes-]")
+        expect(groups.first).to_have_id("recipes-xnnpack")
+        expect(groups.first).to_contain_text("Runs here")
+        expect(page.locator("#recipes-coreml")).to_contain_text("Not here: Core ML programs run only on Apple")
+        expect(page.locator("#summary-table")).to_be_hidden()  # no empty placeholder table before a job
+
+        page.get_by_label("Local path", exact=True).check()
+        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        page.get_by_label("xnnpack-8da4w — XNNPACK").uncheck()
+        page.get_by_label("coreml-int4 — Core ML, int4 weights (group 32), fp16 compute").check()
+        page.get_by_text("Advanced", exact=True).click()
+        page.get_by_label("Lower only: write the .pte").check()
+        before = set(app["jobs"].iterdir())
+        page.get_by_role("button", name="Lower", exact=True).click()
+        expect(page.locator("#status")).to_contain_text("1 of 1 recipes finished", timeout=600_000)
+        expect(page.locator("#summary-table")).to_contain_text("coreml-int4")
+        expect(page.locator("#summary-table")).not_to_contain_text("xnnpack")
+        page.screenshot(path=str(tmp_path / "coreml.png"), full_page=True)
+        shutil_copy(tmp_path / "coreml.png")
+        browser.close()
+    (job,) = set(app["jobs"].iterdir()) - before
+    report = json.loads((job / "report.json").read_text())
+    assert report["recipe"]["name"] == "coreml-int4" and not report["errors"]
+    assert report["delegation"]["delegated_nodes"] > 0 and (job / "model.pte").is_file()
 
 
 @pytest.mark.builtin

@@ -20,7 +20,6 @@ import thread_policy
 from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
-from quant.schemes import apply_scheme
 from recipes import fidelity
 from recipes import generate as gen
 from recipes.lowering import export_program, lower_to_pte, write_atomically
@@ -85,11 +84,13 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
     if not request.prompt.strip():
         raise UserFacingError("the prompt is empty; type a prompt.")
     from quant.compatibility import check_scheme
+    from quant.quantize import check_options
     from quant.schemes import check_group_size
 
     for recipe in recipes:
         check_scheme(recipe.backend, recipe.quantization)
         check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
+        check_options(recipe.quantization, recipe_options(recipe, request))
 
 
 class _Stages:
@@ -200,28 +201,32 @@ def _generate(step, engine: str, checkpoint: Checkpoint, request: RunRequest) ->
 def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepared: dict, stages: _Stages, timings: dict):
     """Quantized module (for eager generation) and ExportedProgram (for lowering), shared by every
     recipe that needs the same scheme, options and module shape."""
-    from quant.schemes import SCHEMES
     from quant.calibration import calibration_inputs
+    from quant.quantize import quantize_module
+    from quant.schemes import SCHEMES
 
     options = recipe_options(recipe, request)
     scheme = SCHEMES[recipe.quantization]
     export_options = ExportOptions(request.max_seq_len, attention=recipe.attention, dtype=recipe.dtype)
     # Source transforms depend on the group size only, so backends that differ in other options (SoC,
     # compute units) still share one quantization. PT2E quantizers depend on every option: never shared.
-    key = (recipe.quantization, options.get("group_size"), export_options)
+    key = (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
+           options.get("mixed_precision_budget"), export_options)
     if scheme.quantize_exported is None and key in prepared:
         # The quantized module is shared; the program is exported again, because lowering leaves
         # unbacked-symbol state in an ExportedProgram that makes a second lowering of it fail.
-        module = prepared[key][0]
-        timings["shared_quantization_with"] = prepared[key][1]
+        module, shared_with, quantization = prepared[key]
+        timings["shared_quantization_with"] = shared_with
         started = stages.begin(f"exporting for {recipe.name}")
         program = export_program(module, request.max_seq_len)
         stages.end(started, timings, "export")
-        return module, program
+        return module, program, quantization
     module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
     started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}")
-    apply_scheme(module, recipe.quantization, options.get("group_size"))
+    quantization, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer,
+                                            request.max_seq_len)
     stages.end(started, timings, "quantize")
+    timings.update(seconds)
     started = stages.begin(f"exporting for {recipe.name}")
     program = export_program(module, request.max_seq_len)
     stages.end(started, timings, "export")
@@ -233,12 +238,15 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         stages.end(started, timings, "quantize")
         timings["calibration"] = {"prompts": len(inputs), "source": "quant/calibration.py built-in prompts"}
     else:
-        prepared[key] = (module, recipe.name)
-    return module, program
+        prepared[key] = (module, recipe.name, quantization)
+    return module, program, quantization
 
 
 def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
-    return {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}}
+    from quant.schemes import scheme_options
+
+    defaults = {**scheme_options(recipe.quantization), **recipe.options}
+    return {**defaults, **{k: v for k, v in request.options.items() if k in defaults}}
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
@@ -254,12 +262,13 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "pte": None,
         "delegation": None,
         "generations": [reference.to_dict()] if reference else [],
+        "quantization": None,
         "fidelity": None,
         "errors": [],
     }
     module = lowered = None
     try:
-        module, program = _prepare(recipe, checkpoint, request, prepared, stages, timings)
+        module, program, report["quantization"] = _prepare(recipe, checkpoint, request, prepared, stages, timings)
         started = stages.begin(f"lowering to {recipe.backend} ({recipe.name})")
         lowered = lower_to_pte(
             program,

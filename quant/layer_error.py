@@ -51,5 +51,5 @@ def layer_errors(reference: list[torch.Tensor], outputs: list[torch.Tensor]) -> 
     for i, (ref, out) in enumerate(zip(reference, outputs)):
         sqnr = sqnr_db(ref, out)
         rows.append({"layer": i, "sqnr_db": None if math.isinf(sqnr) else round(sqnr, 2),
-                     "relative_error": round(relative_error(ref, out), 6)})
+                     "relative_error": float(f"{relative_error(ref, out):.4g}")})
     return rows

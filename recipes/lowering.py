@@ -140,7 +140,10 @@ def lower_to_pte(
     partitioners: list,
     transform_passes: list | None = None,
     compile_config=None,
+    before_serialize=None,
 ) -> LoweredProgram:
+    """before_serialize: called with the lowered EdgeProgramManager before to_executorch (e.g. ExecuTorch's
+    strip_taps_ for a program with intermediate-output taps)."""
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from recipes import dependency_patches
@@ -166,6 +169,8 @@ def lower_to_pte(
     # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
     delegation = delegation_table(lowered_gm, ops_before_partitioning=dict(counter.counts),
                                   preserved_ops=preserved, partitioner_reasons=reasons)
+    if before_serialize is not None:
+        before_serialize(edge)
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.

@@ -22,6 +22,8 @@ from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from recipes import fidelity
 from recipes import generate as gen
+from quant.layer_error import eager_layer_outputs
+from recipes.layer_map import layer_map, windows_of
 from recipes.lowering import export_program, lower_to_pte, write_atomically
 from recipes.registry import Recipe, get_recipe
 
@@ -166,11 +168,15 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         )
         reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
         stages.end(started, shared_timings, "reference_generation")
-        started = stages.begin("fp32 reference logits on the evaluation text")
-        eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
-        eval_reference = (eval_ids,
-                          fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len),
-                          fidelity.targets_of(eval_ids, request.max_seq_len))
+        started = stages.begin("fp32 reference logits on the evaluation texts")
+        eval_reference = {}
+        for name, path in (("eval", fidelity.EVAL_TEXT), ("heldout", fidelity.HELDOUT_TEXT)):
+            ids = fidelity.eval_token_ids(checkpoint.tokenizer, path)
+            eval_reference[name] = (ids, fidelity.sequence_logits(gen.eager_step(reference_module), ids,
+                                                                  request.max_seq_len),
+                                    fidelity.targets_of(ids, request.max_seq_len))
+        eval_reference["layers"] = eager_layer_outputs(
+            reference_module, windows_of(eval_reference["eval"][0], request.max_seq_len))
         stages.end(started, shared_timings, "reference_fidelity")
         del reference_module
 
@@ -250,7 +256,7 @@ def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
-                eval_reference: tuple | None = None) -> dict:
+                eval_reference: dict | None = None) -> dict:
     timings = dict(shared_timings)
     report = {
         "model": checkpoint.describe(),
@@ -301,10 +307,19 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             started = stages.begin(f"measuring fidelity of {recipe.name}")
             report["fidelity"] = _recipe_fidelity(recipe, step, engine, request, eval_reference)
             stages.end(started, timings, "fidelity")
+            started = stages.begin(f"mapping error per layer of {recipe.name}")
+            report["fidelity"]["layers"] = layer_map(
+                engine, module, recipe, report["recipe"]["options"], eval_reference["layers"],
+                windows_of(eval_reference["eval"][0], request.max_seq_len), request.max_seq_len,
+                on_runtime=engine == gen.ENGINE_RUNTIME)
+            stages.end(started, timings, "layer_map")
         except Cancelled:
             raise
         except Exception as err:  # a measurement that fails does not withhold a good .pte; the report says why
-            report["fidelity"] = {"error": _error("fidelity", err)}
+            if report["fidelity"] is None:
+                report["fidelity"] = {"error": _error("fidelity", err)}
+            else:
+                report["fidelity"]["layers"] = {"error": _error("layer_map", err)}
     if lowered is not None and not report["errors"]:
         pte_path = recipe_dir / "model.pte"
         write_atomically(pte_path, lowered.pte)
@@ -326,10 +341,14 @@ def _recipe_engine(recipe, module, lowered, report) -> tuple:
     return gen.eager_step(module), recipe.eager_engine
 
 
-def _recipe_fidelity(recipe, step, engine, request, eval_reference) -> dict:
-    eval_ids, reference_logits, targets = eval_reference
+def _recipe_fidelity(recipe, step, engine, request, eval_reference: dict) -> dict:
+    eval_ids, reference_logits, targets = eval_reference["eval"]
     logits = fidelity.sequence_logits(step, eval_ids, request.max_seq_len)
-    return fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
+    report = fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
+    heldout_ids, heldout_logits, heldout_targets = eval_reference["heldout"]
+    report["heldout"] = fidelity.heldout_report(
+        heldout_logits, fidelity.sequence_logits(step, heldout_ids, request.max_seq_len), heldout_targets)
+    return report
 
 
 def _error(stage: str, err: Exception) -> dict:

@@ -55,5 +55,6 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
         started = time.perf_counter()
         spec.apply(module, args)
         seconds["quantize_transform"] = round(time.perf_counter() - started, 3)
-    section["weight_bytes_per_token"] = linear_weight_bytes(module)
+    if spec.quantize_exported is None:  # a PT2E scheme quantizes the exported program later
+        section["weight_bytes_per_token"] = linear_weight_bytes(module)
     return section, seconds

@@ -60,6 +60,8 @@ def layer_map(engine: str, module, recipe, options: dict, reference: list[torch.
     if on_runtime:
         outputs = runtime_layer_outputs(module, recipe, options, windows, max_seq_len)
         method = "ExecuTorch intermediate_output_tap on the lowered program, run on the runtime"
+    elif not hasattr(module, "model"):
+        raise ValueError("no per-layer map of a PT2E-converted graph: its decoder layers are no longer modules")
     else:
         outputs = eager_layer_outputs(module, windows)
         method = "eager forward hooks on the quantized module"

@@ -100,10 +100,12 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
             eager = module(tokens, torch.tensor([0]))
         assert torch.allclose(step(tokens, torch.tensor([0])), eager, atol=5e-2), algorithm  # XNNPACK rounds activations its own way
         programs[algorithm] = (lowered.delegation["ops"], len(lowered.pte))
+    # The random Llama's norm weights are all ones, which the .pte stores once; folded scales make them differ.
+    norm_bytes = sum(m.weight.numel() * 4 for m in module.modules() if type(m).__name__ == "RMSNorm")
     ops, size = programs["minmax"]
     for algorithm, (other_ops, other_size) in programs.items():
         assert other_ops == ops, algorithm
-        assert abs(other_size - size) <= 64, (algorithm, other_size, size)
+        assert abs(other_size - size) <= norm_bytes + 64, (algorithm, other_size, size)
 
 
 def test_unavailable_algorithm_is_refused_with_the_reason():

@@ -1,6 +1,9 @@
-"""Calibration inputs for PT2E quantizers: a few built-in prompts, tokenized with the model's own
-tokenizer and chat template, as (tokens[1, T], input_pos[1]) prefill calls."""
+"""Calibration inputs. PT2E quantizers take a few built-in prompts, tokenized with the model's own tokenizer
+and chat template, as (tokens[1, T], input_pos[1]) prefill calls. Calibrated weight algorithms (AWQ) and the
+mixed-precision search read quant/calibration_text.txt, a text no evaluation text shares a passage with."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,11 @@ CALIBRATION_PROMPTS = (
     "Translate 'good morning' into Spanish.",
 )
 
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "calibration_text.txt"
+CALIBRATION_TEXT_SOURCE = "The Declaration of Independence (United States, 1776), full text; public domain"
+# Enough tokens for AWQ's per-input scale search, few enough that it stays a small part of quantizing.
+CALIBRATION_TOKENS = 512
+
 
 def calibration_inputs(tokenizer, max_seq_len: int, prompts=CALIBRATION_PROMPTS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     inputs = []
@@ -22,3 +30,16 @@ def calibration_inputs(tokenizer, max_seq_len: int, prompts=CALIBRATION_PROMPTS)
         ids = prompt_token_ids(tokenizer, prompt)[: max_seq_len - 1]
         inputs.append((torch.tensor([ids], dtype=torch.long), torch.tensor([0], dtype=torch.long)))
     return inputs
+
+
+def calibration_windows(tokenizer, max_seq_len: int, max_tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
+    """The calibration text's first `max_tokens` tokens as windows [1, T] of at most max_seq_len, each run
+    from position 0."""
+    ids = list(tokenizer(CALIBRATION_TEXT.read_text(), add_special_tokens=False)["input_ids"])[:max_tokens]
+    return [torch.tensor([ids[i:i + max_seq_len]], dtype=torch.long) for i in range(0, len(ids), max_seq_len)
+            if len(ids[i:i + max_seq_len]) > 1]
+
+
+def describe_calibration(windows: list[torch.Tensor]) -> dict:
+    return {"text": f"quant/{CALIBRATION_TEXT.name} ({CALIBRATION_TEXT_SOURCE})",
+            "tokens": sum(w.shape[1] for w in windows)}

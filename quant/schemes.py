@@ -18,11 +18,24 @@ class Scheme:
 
     name: str
     description: str
-    apply: Callable[[nn.Module, int], None] | None = None  # (module, group_size) -> None, in place
+    apply: Callable[[nn.Module, "QuantArgs"], None] | None = None  # in place
     default_group_size: int | None = None
+    # quant_algorithm choices (quant/algorithms.py), the default first
+    algorithms: tuple[str, ...] = ("minmax",)
+    mixed_precision: bool = False  # takes the mixed_precision_budget option (8da8w layers)
+    # (group size, algorithm) -> the torchao config of its int4 linears, which calibrated algorithms simulate
+    int4_config: Callable | None = None
     # quant.pt2e.quantize_pt2e: (program, calibration inputs, the backend's quantizer factory, static tokens,
     # max_seq_len) -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
     quantize_exported: Callable | None = None
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    group_size: int = 0
+    algorithm: str = "minmax"
+    calibration: tuple = ()  # token windows [1, T] for calibrated algorithms
+    layers_8bit: tuple[int, ...] = ()  # decoder layers whose linears stay at 8da8w
 
 
 def _is_embedding(module: nn.Module, fqn: str) -> bool:
@@ -44,59 +57,91 @@ def quantize_embeddings(module: nn.Module, bits: int) -> None:
     quantize_(module, IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerAxis(0)), filter_fn=_is_embedding)
 
 
-def quantize_linears_8da4w(module: nn.Module, group_size: int) -> None:
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+def config_8da4w(group_size: int, algorithm: str = "minmax"):
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerGroup
 
-    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
-    quantize_(module, config, filter_fn=_is_linear)
+    from quant.algorithms import qparams_algorithm
+
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
+                                                 intx_choose_qparams_algorithm=qparams_algorithm(algorithm))
 
 
-def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int | None) -> None:
-    """Weight-only linears (activations stay float): torchao leaves dequantize_affine + linear in the
-    graph, for a backend that takes the pair whole and stores compressed weights (int4 block-wise, int8 per channel)."""
-    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+def config_8da8w():
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+    from torchao.quantization.granularity import PerAxis
+
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+
+
+def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = "minmax",
+                           layers_8bit: tuple[int, ...] = ()) -> None:
+    """int4 linears, except those of the decoder layers in `layers_8bit`, which take 8da8w."""
+    from torchao.quantization import quantize_
+
+    kept = tuple(f"model.layers.{i}." for i in layers_8bit)  # str.startswith(()) is False
+    if kept:
+        quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and fqn.startswith(kept))
+    quantize_(module, config_8da4w(group_size, algorithm),
+              filter_fn=lambda m, fqn: _is_linear(m, fqn) and not fqn.startswith(kept))
+
+
+def config_weight_only(bits: int, group_size: int | None, algorithm: str = "minmax"):
+    from torchao.quantization import IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
+
+    from quant.algorithms import qparams_algorithm
 
     granularity = PerGroup(group_size) if group_size else PerAxis(0)
     dtype = {8: torch.int8, 4: torch.int4}[bits]
-    quantize_(module, IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity), filter_fn=_is_linear)
+    return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity,
+                                intx_choose_qparams_algorithm=qparams_algorithm(algorithm))
 
 
-def _int4_weight(module: nn.Module, group_size: int) -> None:
-    quantize_linears_weight_only(module, 4, group_size)
+def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int | None,
+                                 algorithm: str = "minmax") -> None:
+    """Weight-only linears (activations stay float): torchao leaves dequantize_affine + linear in the
+    graph, for a backend that takes the pair whole and stores compressed weights (int4 block-wise, int8 per channel)."""
+    from torchao.quantization import quantize_
+
+    quantize_(module, config_weight_only(bits, group_size, algorithm), filter_fn=_is_linear)
 
 
-def _int8_weight(module: nn.Module, group_size: int) -> None:
+def _int4_weight(module: nn.Module, args: QuantArgs) -> None:
+    quantize_linears_weight_only(module, 4, args.group_size, args.algorithm)
+
+
+def _int8_weight(module: nn.Module, args: QuantArgs) -> None:
     quantize_linears_weight_only(module, 8, None)
 
 
-def _fp32(module: nn.Module, group_size: int) -> None:
+def _fp32(module: nn.Module, args: QuantArgs) -> None:
     pass
 
 
-def _8da4w(module: nn.Module, group_size: int) -> None:
+def _8da4w(module: nn.Module, args: QuantArgs) -> None:
     quantize_embeddings(module, 8)
-    quantize_linears_8da4w(module, group_size)
+    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.layers_8bit)
 
 
-def _8da4w_emb4(module: nn.Module, group_size: int) -> None:
+def _8da4w_emb4(module: nn.Module, args: QuantArgs) -> None:
     quantize_embeddings(module, 4)
-    quantize_linears_8da4w(module, group_size)
+    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.layers_8bit)
 
 
-def _8da8w(module: nn.Module, group_size: int) -> None:
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerAxis
+def _8da8w(module: nn.Module, args: QuantArgs) -> None:
+    from torchao.quantization import quantize_
 
     quantize_embeddings(module, 8)
-    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-    quantize_(module, config, filter_fn=_is_linear)
+    quantize_(module, config_8da8w(), filter_fn=_is_linear)
 
 
-def _fp16(module: nn.Module, group_size: int) -> None:
+def _fp16(module: nn.Module, args: QuantArgs) -> None:
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
 
+
+# The default first: the algorithm chosen by measurement on the built-in model (README, "Quantization algorithms").
+INT4_ALGORITHMS = ("minmax", "hqq", "awq", "spinquant")
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
@@ -107,11 +152,16 @@ SCHEMES: dict[str, Scheme] = {
             "int8 dynamic activations, int4 group-wise weights on linears; 8-bit embeddings",
             _8da4w,
             default_group_size=32,
+            algorithms=INT4_ALGORITHMS,
+            mixed_precision=True,
+            int4_config=config_8da4w,
         ),
         Scheme("int4-weight", "int4 weight-only linears, group-wise (block 32); float activations",
-               _int4_weight, default_group_size=32),
+               _int4_weight, default_group_size=32, algorithms=INT4_ALGORITHMS,
+               int4_config=lambda group_size, algorithm: config_weight_only(4, group_size, algorithm)),
         Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight),
-        Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32),
+        Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32,
+               algorithms=INT4_ALGORITHMS, mixed_precision=True, int4_config=config_8da4w),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w),
         Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.
@@ -125,10 +175,37 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
-def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None) -> None:
+def quant_args(scheme: str, group_size: int | None = None, algorithm: str | None = None, calibration=(),
+               layers_8bit=()) -> QuantArgs:
+    spec = SCHEMES[scheme]
+    return QuantArgs(group_size or spec.default_group_size or 0, algorithm or spec.algorithms[0], tuple(calibration),
+                     tuple(layers_8bit))
+
+
+def prepare_for_scheme(module: nn.Module, scheme: str, args: QuantArgs) -> None:
+    """The fp32 transform of the scheme's algorithm (AWQ's scales, SpinQuant's rotations), before quantize_."""
+    from quant.algorithms import prepare_weights
+
+    spec = SCHEMES[scheme]
+    if spec.int4_config is not None:
+        prepare_weights(module, args.algorithm, spec.int4_config(args.group_size, args.algorithm), args.calibration)
+
+
+def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None, algorithm: str | None = None,
+                 calibration=(), layers_8bit=()) -> None:
     spec = SCHEMES[scheme]
     if spec.apply is not None:
-        spec.apply(module, group_size or spec.default_group_size or 0)
+        args = quant_args(scheme, group_size, algorithm, calibration, layers_8bit)
+        prepare_for_scheme(module, scheme, args)
+        spec.apply(module, args)
+
+
+def scheme_options(scheme: str) -> dict:
+    """The recipe options a scheme takes, with their defaults."""
+    spec = SCHEMES.get(scheme)
+    if spec is None or len(spec.algorithms) == 1:
+        return {}
+    return {"quant_algorithm": spec.algorithms[0], **({"mixed_precision_budget": 0.0} if spec.mixed_precision else {})}
 
 
 # Group sizes offered for group-wise schemes (block-wise int4 kernels and palettes take multiples of 32).

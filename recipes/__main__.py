@@ -26,6 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--group-size", type=int, default=None, help="weight quantization group size")
+    run.add_argument("--quant-algorithm", default=None,
+                     help="how int4 weights get their qparams: minmax, hqq, awq, spinquant (see `list`)")
+    run.add_argument("--mixed-precision-budget", type=float, default=None,
+                     help="keep the most sensitive decoder layers at 8da8w within this extra fraction of weight "
+                          "bytes per token, e.g. 0.1 for +10 %% (8da4w schemes)")
     run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
     run.add_argument("--export-only", action="store_true",
                      help="write the .pte and its delegation report only: no sample generations, no fidelity")
@@ -57,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from recipes.generate import DEFAULT_PROMPT
     from recipes.run import RunRequest, run, summary_rows
 
-    options = {"group_size": args.group_size} if args.group_size else {}
+    given = {"group_size": args.group_size or None, "quant_algorithm": args.quant_algorithm,
+             "mixed_precision_budget": args.mixed_precision_budget}
+    options = {key: value for key, value in given.items() if value is not None}
     request = RunRequest(
         recipes=args.recipe, out_dir=args.out, model=args.model, revision=args.revision,
         token=os.environ.get("HF_TOKEN"), allow_pickle=args.allow_pickle,

@@ -1,6 +1,7 @@
 """How far a recipe's model is from fp32: on the shipped evaluation text (quant/eval_text.txt, the opening
 of Jane Austen's Pride and Prejudice, 1813, public domain), perplexity of the fp32 eager reference and
-of the recipe's model, top-1 next-token agreement with fp32, and mean KL(fp32 || recipe).
+of the recipe's model, top-1 next-token agreement with fp32, and mean KL(fp32 || recipe); the same figures
+on a held-out second text (quant/eval_text_heldout.txt), so tuning on the first shows up on the second.
 Logits come from the same step functions as generation (recipes/generate.py): the text is prefilled in
 windows of at most max_seq_len tokens, each from position 0, and the program returns every position's logits."""
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 
 EVAL_TEXT = Path(__file__).resolve().parent.parent / "quant" / "eval_text.txt"
 EVAL_TEXT_SOURCE = "Jane Austen, Pride and Prejudice (1813), chapter 1 opening; public domain"
+HELDOUT_TEXT = EVAL_TEXT.with_name("eval_text_heldout.txt")
+HELDOUT_TEXT_SOURCE = "Charles Dickens, A Tale of Two Cities (1859), book 1 chapter 1 opening; public domain"
 
 # scheme -> (what it must reach, test on the fidelity figures); schemes without one report meets_target None
 TARGETS: dict[str, tuple[str, Callable[[dict], bool]]] = {
@@ -85,3 +88,8 @@ def fidelity_report(engine: str, scheme: str, reference: torch.Tensor, logits: t
         "target": target[0] if target else None,
         "meets_target": bool(target[1](figures)) if target else None,
     }
+
+
+def heldout_report(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    return {"text": f"quant/{HELDOUT_TEXT.name} ({HELDOUT_TEXT_SOURCE})", "positions": len(targets),
+            **compare(reference, logits, targets)}

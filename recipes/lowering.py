@@ -139,15 +139,17 @@ def lower_to_pte(
     compile_config=None,
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext,
     constant_methods: dict | None = None,
+    before_serialize=None,
 ) -> LoweredProgram:
     """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
     and to_executorch and left before this returns. constant_methods: methods that return a constant
-    (recipes.llm_metadata), kept in the .pte."""
+    (recipes.llm_metadata), kept in the .pte. before_serialize: called with the lowered EdgeProgramManager
+    before to_executorch (e.g. ExecuTorch's strip_taps_ for a program with intermediate-output taps)."""
     with lowering_context():
-        return _lower(program, partitioners, transform_passes, compile_config, constant_methods)
+        return _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize)
 
 
-def _lower(program, partitioners, transform_passes, compile_config, constant_methods) -> LoweredProgram:
+def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     counter = _EdgeOpCounter()
@@ -171,6 +173,8 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
     delegation = delegation_table(lowered_gm, ops_before_partitioning=dict(counter.counts),
                                   preserved_ops=preserved, partitioner_reasons=reasons)
+    if before_serialize is not None:
+        before_serialize(edge)
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.

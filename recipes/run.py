@@ -20,10 +20,12 @@ import thread_policy
 from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
-from quant.schemes import SCHEMES, apply_scheme
+from quant.layer_error import eager_layer_outputs
+from quant.schemes import SCHEMES
 from recipes import fidelity
 from recipes import generate as gen
 from recipes import llm_runner
+from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
 from recipes.lowering import export_program, lower_for_backend, write_atomically
 from recipes.registry import Recipe, get_recipe
@@ -89,10 +91,12 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         )
     if not request.prompt.strip():
         raise UserFacingError("the prompt is empty; type a prompt.")
+    from quant.quantize import check_options
     from quant.schemes import check_group_size
 
     for recipe in recipes:
         check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
+        check_options(recipe.quantization, recipe_options(recipe, request))
 
 
 class _Stages:
@@ -162,11 +166,15 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         )
         reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
         stages.end(started, shared_timings, "reference_generation")
-        started = stages.begin("fp32 reference logits on the evaluation text")
-        eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
-        eval_reference = (eval_ids,
-                          fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len),
-                          fidelity.targets_of(eval_ids, request.max_seq_len))
+        started = stages.begin("fp32 reference logits on the evaluation texts")
+        eval_reference = {}
+        for name, path in (("eval", fidelity.EVAL_TEXT), ("heldout", fidelity.HELDOUT_TEXT)):
+            ids = fidelity.eval_token_ids(checkpoint.tokenizer, path)
+            eval_reference[name] = (ids, fidelity.sequence_logits(gen.eager_step(reference_module), ids,
+                                                                  request.max_seq_len),
+                                    fidelity.targets_of(ids, request.max_seq_len))
+        eval_reference["layers"] = eager_layer_outputs(
+            reference_module, windows_of(eval_reference["eval"][0], request.max_seq_len))
         stages.end(started, shared_timings, "reference_fidelity")
         del reference_module
 
@@ -198,26 +206,31 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     """Quantized module (for eager generation) and ExportedProgram (for lowering), shared by every
     recipe that needs the same scheme, options and module shape."""
     from quant.calibration import calibration_inputs
+    from quant.quantize import quantize_module
+    from quant.schemes import SCHEMES
 
     options = recipe_options(recipe, request)
     scheme = SCHEMES[recipe.quantization]
     export_options = recipe.export_options(request.max_seq_len)
     # Source transforms depend on the group size only, so backends that differ in other options (SoC,
     # compute units) still share one quantization. PT2E quantizers depend on every option: never shared.
-    key = (recipe.quantization, options.get("group_size"), export_options)
+    key = (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
+           options.get("mixed_precision_budget"), export_options)
     if scheme.quantize_exported is None and key in prepared:
         # The quantized module is shared; the program is exported again, because lowering leaves
         # unbacked-symbol state in an ExportedProgram that makes a second lowering of it fail.
-        module = prepared[key][0]
-        timings["shared_quantization_with"] = prepared[key][1]
+        module, shared_with, quantization = prepared[key]
+        timings["shared_quantization_with"] = shared_with
         started = stages.begin(f"exporting for {recipe.name}")
         program = export_program(module, request.max_seq_len, strict=recipe.backend.strict_export)
         stages.end(started, timings, "export")
-        return module, program
+        return module, program, quantization
     module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
     started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}")
-    apply_scheme(module, recipe.quantization, options.get("group_size"))
+    quantization, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer,
+                                            request.max_seq_len)
     stages.end(started, timings, "quantize")
+    timings.update(seconds)
     started = stages.begin(f"exporting for {recipe.name}")
     program = export_program(module, request.max_seq_len, strict=recipe.backend.strict_export)
     stages.end(started, timings, "export")
@@ -228,8 +241,8 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         stages.end(started, timings, "quantize")
         timings["calibration"] = {"prompts": len(inputs), "source": "quant/calibration.py built-in prompts"}
     else:
-        prepared[key] = (module, recipe.name)
-    return module, program
+        prepared[key] = (module, recipe.name, quantization)
+    return module, program, quantization
 
 
 def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int):
@@ -248,11 +261,14 @@ def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_s
 
 
 def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
-    return {**recipe.options, **{k: v for k, v in request.options.items() if k in recipe.options}}
+    from quant.schemes import scheme_options
+
+    defaults = {**scheme_options(recipe.quantization), **recipe.options}
+    return {**defaults, **{k: v for k, v in request.options.items() if k in defaults}}
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
-                eval_reference: tuple | None = None, shipped_tokenizer: dict[str, bytes] | None = None) -> dict:
+                eval_reference: dict | None = None, shipped_tokenizer: dict[str, bytes] | None = None) -> dict:
     timings = dict(shared_timings)
     report = {
         "model": checkpoint.describe(),
@@ -266,12 +282,13 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "llm_metadata": None,
         "delegation": None,
         "generations": [reference.to_dict()] if reference else [],
+        "quantization": None,
         "fidelity": None,
         "errors": [],
     }
     module = lowered = None
     try:
-        module, program = _prepare(recipe, checkpoint, request, prepared, stages, timings)
+        module, program, report["quantization"] = _prepare(recipe, checkpoint, request, prepared, stages, timings)
         backend = recipe.backend
         started = stages.begin(f"lowering to {backend.title} ({recipe.name})")
         options = report["recipe"]["options"]
@@ -305,10 +322,19 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             started = stages.begin(f"measuring fidelity of {recipe.name}")
             report["fidelity"] = _recipe_fidelity(recipe, step, engine, request, eval_reference)
             stages.end(started, timings, "fidelity")
+            started = stages.begin(f"mapping error per layer of {recipe.name}")
+            report["fidelity"]["layers"] = layer_map(
+                engine, module, recipe, report["recipe"]["options"], eval_reference["layers"],
+                windows_of(eval_reference["eval"][0], request.max_seq_len), request.max_seq_len,
+                on_runtime=engine == gen.ENGINE_RUNTIME)
+            stages.end(started, timings, "layer_map")
         except Cancelled:
             raise
         except Exception as err:  # a measurement that fails does not withhold a good .pte; the report says why
-            report["fidelity"] = {"error": _error("fidelity", err)}
+            if report["fidelity"] is None:
+                report["fidelity"] = {"error": _error("fidelity", err)}
+            else:
+                report["fidelity"]["layers"] = {"error": _error("layer_map", err)}
     if lowered is not None and not report["errors"]:
         pte_path = recipe_dir / "model.pte"
         write_atomically(pte_path, lowered.pte)
@@ -362,10 +388,14 @@ def _recipe_engine(recipe, module, lowered, report) -> tuple:
     return gen.eager_step(module), backend.eager_engine
 
 
-def _recipe_fidelity(recipe, step, engine, request, eval_reference) -> dict:
-    eval_ids, reference_logits, targets = eval_reference
+def _recipe_fidelity(recipe, step, engine, request, eval_reference: dict) -> dict:
+    eval_ids, reference_logits, targets = eval_reference["eval"]
     logits = fidelity.sequence_logits(step, eval_ids, request.max_seq_len)
-    return fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
+    report = fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
+    heldout_ids, heldout_logits, heldout_targets = eval_reference["heldout"]
+    report["heldout"] = fidelity.heldout_report(
+        heldout_logits, fidelity.sequence_logits(step, heldout_ids, request.max_seq_len), heldout_targets)
+    return report
 
 
 def _error(stage: str, err: Exception) -> dict:

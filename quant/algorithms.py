@@ -1,0 +1,183 @@
+"""How an int4 group-wise scheme picks its weights and qparams: the `quant_algorithm` recipe option.
+
+Every algorithm ends in the same torchao tensors (int4 groups with one scale each), so the program, its ops
+and its bytes per token are those of `minmax`; only the numbers differ.
+  minmax     each group's scale from its absolute maximum (torchao's choose_qparams_affine)
+  hqq        HQQ's scale-only optimisation of each group's scale (torchao's HQQ_SCALE_ONLY qparams)
+  awq        activation-aware scales (torchao.prototype.awq's AWQObserver search on the calibration text),
+             folded into the op before each linear so the program gains no op
+  spinquant  SpinQuant's R1 (residual stream) and R2 (value/output heads) random Hadamard rotations, applied
+             with torchao.prototype.spinquant; exact in fp32, they spread outliers across a group
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+ALGORITHMS: dict[str, str] = {
+    "minmax": "scales from each group's min/max",
+    "hqq": "HQQ scale-only qparams (torchao)",
+    "awq": "activation-aware weight scales searched on the calibration text (torchao AWQ), folded into norms",
+    "spinquant": "SpinQuant R1 + R2 Hadamard rotations (torchao), exact in fp32",
+}
+CALIBRATED = ("awq",)
+
+# Asked for, not offered on this stack, and why.
+UNAVAILABLE: dict[str, str] = {
+    "gptq": "torchao 0.18's GPTQ (torchao.prototype.gptq) runs on CUDA only (gptq_quantize asserts a CUDA device) "
+            "and writes Int4Tensor weights (mslk's int4 packing), a format ExecuTorch's backends do not take",
+    "spinquant-r4": "SpinQuant's R4 needs an online Hadamard transform before down_proj, an op the program does not "
+                    "have; spinquant applies R1 and R2, which fold into the weights",
+}
+
+AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
+
+
+def qparams_algorithm(algorithm: str):
+    """torchao's IntxChooseQParamsAlgorithm for an algorithm: HQQ's, or the affine min/max."""
+    from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+        IntxChooseQParamsAlgorithm,
+    )
+
+    return IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY if algorithm == "hqq" else IntxChooseQParamsAlgorithm.AFFINE
+
+
+def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> None:
+    from errors import UserFacingError
+
+    if algorithm in offered:
+        return
+    why = UNAVAILABLE.get(algorithm)
+    if why is None and algorithm in ALGORITHMS:
+        why = f"{scheme} has no int4 group-wise weights"
+    raise UserFacingError(
+        f"quant algorithm {algorithm!r} is not offered for {scheme}" + (f" ({why})" if why else "")
+        + f"; choose one of: {', '.join(offered)}."
+    )
+
+
+def _layer_linears(layer) -> dict[str, list[nn.Linear]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+    return {"attention_in": qkv, "mlp_in": [mlp.gate_proj, mlp.up_proj], "mlp_out": [mlp.down_proj]}
+
+
+# Every transform below gives the parameters new tensors (`.data =`) and changes none in place: the module's
+# weights are the loaded checkpoint's own tensors, which the fp32 reference and the other recipes still read.
+
+
+@torch.no_grad()
+def fold_input_scale(owner: nn.Module, linears: list[nn.Linear], scale: torch.Tensor) -> None:
+    """x -> x / scale in the op that makes the linears' input (a norm's weight, or up_proj's rows for
+    down_proj), and W -> W * scale in the linears: the same function, one op fewer than a runtime multiply."""
+    if isinstance(owner, nn.Linear):
+        owner.weight.data = owner.weight / scale[:, None]
+        if owner.bias is not None:
+            owner.bias.data = owner.bias / scale
+    else:
+        owner.weight.data = owner.weight / scale
+    for linear in linears:
+        linear.weight.data = linear.weight * scale[None, :]
+
+
+def scale_owners(module) -> list[tuple[nn.Module, list[nn.Linear]]]:
+    """(op that makes the input, linears reading it) for every input AWQ can scale without a new op. o_proj's
+    input comes out of attention: its channels fold into v_proj only without grouped KV heads, so it is left."""
+    groups = []
+    for layer in module.model.layers:
+        linears = _layer_linears(layer)
+        groups += [(layer.input_layernorm, linears["attention_in"]),
+                   (layer.post_attention_layernorm, linears["mlp_in"]),
+                   (layer.mlp.up_proj, linears["mlp_out"])]
+    return groups
+
+
+@torch.no_grad()
+def apply_awq(module, weight_config, calibration: list[torch.Tensor]) -> None:
+    """torchao's AWQObserver, one per input shared by several linears (their weights concatenated, as AWQ
+    searches one scale per input), fed the calibration text through the fp32 module; the chosen scales fold
+    into the op before. The lm_head (vocab-wide) is left at its min/max scales."""
+    from torchao.prototype.awq.core import AWQObserver
+
+    groups = scale_owners(module)
+    observers = [AWQObserver(torch.cat([l.weight for l in linears]), None, weight_config, AWQ_SCALE_CANDIDATES)
+                 for _owner, linears in groups]
+    hooks = [linears[0].register_forward_pre_hook(lambda m, args, obs=obs: obs(args[0], None))
+             for obs, (_owner, linears) in zip(observers, groups)]
+    try:
+        for tokens in calibration:
+            module.reset_cache()
+            module(tokens, torch.tensor([0]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        module.reset_cache()
+    scales = [obs.calculate_qparams() for obs in observers]
+    for (owner, linears), scale in zip(groups, scales):
+        fold_input_scale(owner, linears, scale.to(torch.float32))
+
+
+@torch.no_grad()
+def fold_norm_weights(module) -> None:
+    """Every RMSNorm's weight into the linears after it, leaving a weightless norm, which R1 commutes with.
+    (torchao's own fuse_layernorm_into_linear sets the norms to one without folding, and centres the
+    embeddings, a LayerNorm step that changes an RMSNorm model.)"""
+    pairs = [(layer.input_layernorm, _layer_linears(layer)["attention_in"]) for layer in module.model.layers]
+    pairs += [(layer.post_attention_layernorm, _layer_linears(layer)["mlp_in"]) for layer in module.model.layers]
+    pairs += [(module.model.norm, [module.lm_head])]
+    for norm, linears in pairs:
+        for linear in linears:
+            linear.weight.data = linear.weight * norm.weight[None, :]
+        norm.weight.data = torch.ones_like(norm.weight)
+
+
+def _torchao_view(module) -> SimpleNamespace:
+    """Our Llama under the attribute names torchao.prototype.spinquant's rotations use (gpt-fast's)."""
+    shape = module.shape
+    layers = []
+    for layer in module.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attention = SimpleNamespace(wo=attn.o_proj)
+        if hasattr(attn, "qkv_proj"):
+            attention.wqkv = attn.qkv_proj
+        else:
+            attention.wq, attention.wk, attention.wv = attn.q_proj, attn.k_proj, attn.v_proj
+        layers.append(SimpleNamespace(attention=attention, feed_forward=SimpleNamespace(
+            w1=mlp.gate_proj, w3=mlp.up_proj, w2=mlp.down_proj)))
+    config = SimpleNamespace(dim=shape.n_heads * shape.head_dim, head_dim=shape.head_dim,
+                             n_local_heads=shape.n_kv_heads)
+    return SimpleNamespace(layers=layers, tok_embeddings=module.model.embed_tokens, output=module.lm_head,
+                           config=config)
+
+
+@torch.no_grad()
+def apply_spinquant(module) -> None:
+    """R1 rotates the residual stream (embeddings, every linear that reads or writes it, lm_head), R2 each
+    value head and o_proj's matching input. The residual stream between layers is then in R1's basis: it is
+    kept as `residual_rotation`, so a per-layer comparison with the fp32 model can rotate back."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):  # it prints a note on import; stdout is the CLI's JSON
+        from torchao.prototype.spinquant.hadamard_utils import random_hadamard_matrix
+        from torchao.prototype.spinquant.spinquant import _rotate_model_r1, apply_spinquant_r2
+
+    view = _torchao_view(module)
+    qkv_split = not hasattr(module.model.layers[0].self_attn, "qkv_proj")
+    fold_norm_weights(module)
+    rotation = random_hadamard_matrix(module.shape.hidden, "cpu")
+    _rotate_model_r1(view, rotation, qkv_split=qkv_split)
+    apply_spinquant_r2(view, "cpu", qkv_split=qkv_split)
+    module.residual_rotation = rotation.to(torch.float32)
+
+
+def prepare_weights(module, algorithm: str, weight_config, calibration: list[torch.Tensor] | None) -> None:
+    """The fp32 transform an algorithm makes before quantize_ (none for minmax and hqq)."""
+    if algorithm == "awq":
+        if not calibration:
+            raise ValueError("awq needs calibration windows")
+        apply_awq(module, weight_config, calibration)
+    elif algorithm == "spinquant":
+        apply_spinquant(module)

@@ -1,0 +1,181 @@
+"""Quant algorithms (minmax, hqq, awq, spinquant), the calibration and evaluation texts, mixed precision."""
+import re
+
+import pytest
+import torch
+
+from errors import UserFacingError
+
+
+@pytest.fixture(scope="module")
+def random_llama():
+    """A random Llama as wide as group-wise int4 needs to show differences (hidden 128, two layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    state_dict = LlamaForCausalLM(config).state_dict()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 300, (1, 60), generator=generator)
+    calibration = (torch.randint(0, 300, (1, 60), generator=generator),)
+    return config, state_dict, tokens, calibration
+
+
+# The fused q/k/v form (XNNPACK's) and the separate one (every other backend's).
+FUSED = dict(attention="custom", norm="linear-mean", fuse_qkv=True)
+
+
+def _module_form(attention: str) -> dict:
+    return FUSED if attention == "custom" else dict(attention=attention)
+
+
+def _logits_error(random_llama, algorithm, group_size=32, attention="custom"):
+    """Relative squared error of 8da4w logits against fp32 on a fixed input."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.schemes import apply_scheme
+
+    config, state_dict, tokens, calibration = random_llama
+
+    def logits(module):
+        module.reset_cache()
+        with torch.no_grad():
+            return module(tokens, torch.tensor([0]))
+
+    reference = logits(build_exportable(config, state_dict, ExportOptions(64, **_module_form(attention))))
+    module = build_exportable(config, state_dict, ExportOptions(64, **_module_form(attention)))
+    apply_scheme(module, "8da4w", group_size, algorithm, calibration)
+    return ((logits(module) - reference).pow(2).mean() / reference.pow(2).mean()).item()
+
+
+def _assert_no_worse_than_minmax(error, minmax_error):
+    assert error <= minmax_error, (error, minmax_error)
+
+
+@pytest.mark.parametrize("attention", ["custom", "sdpa"])
+@pytest.mark.parametrize("algorithm", ["hqq", "awq", "spinquant"])
+def test_each_algorithm_is_no_worse_than_minmax(random_llama, algorithm, attention):
+    """custom: XNNPACK's fused q/k/v form; sdpa: three linears (Core ML's int4-weight takes that form)."""
+    _assert_no_worse_than_minmax(_logits_error(random_llama, algorithm, attention=attention),
+                                 _logits_error(random_llama, "minmax", attention=attention))
+
+
+def test_the_comparison_fails_on_a_worse_setting(random_llama):
+    """Groups of 128 instead of 32: the same check must refuse it."""
+    with pytest.raises(AssertionError):
+        _assert_no_worse_than_minmax(_logits_error(random_llama, "hqq", group_size=128),
+                                     _logits_error(random_llama, "minmax"))
+
+
+@pytest.mark.parametrize("algorithm", ["awq", "spinquant"])
+def test_weight_transforms_keep_the_fp32_function_and_the_checkpoint(random_llama, algorithm):
+    """AWQ's folded scales and SpinQuant's rotations are exact in fp32, and leave the loaded weights alone."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.algorithms import prepare_weights
+    from quant.schemes import config_8da4w
+
+    config, state_dict, tokens, calibration = random_llama
+    before = {k: v.clone() for k, v in state_dict.items()}
+    reference = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    module = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    prepare_weights(module, algorithm, config_8da4w(32, algorithm), calibration)
+    with torch.no_grad():
+        expected = reference(tokens, torch.tensor([0]))
+        assert torch.allclose(module(tokens, torch.tensor([0])), expected, atol=1e-4)
+    assert all(torch.equal(state_dict[k], before[k]) for k in before)
+
+
+def test_algorithms_keep_the_program_format(tiny_checkpoint):
+    """Every algorithm lowers to the same XNNPACK program as minmax: the same delegated ops, the same bytes."""
+    from models.llama import build_exportable
+    from quant.calibration import calibration_windows
+    from quant.schemes import apply_scheme
+    from recipes.generate import load_runtime_method, runtime_step
+    from recipes.lowering import export_program, lower_for_backend
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("xnnpack-8da4w")
+    backend = recipe.backend
+    windows = calibration_windows(tiny_checkpoint.tokenizer, 32)
+    programs = {}
+    for algorithm in ("minmax", "hqq", "awq", "spinquant"):
+        module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
+        apply_scheme(module, "8da4w", 32, algorithm, windows)
+        program = export_program(module, 32, strict=backend.strict_export)
+        lowered = lower_for_backend(program, backend, recipe.make_partitioners({}))
+        step = runtime_step(load_runtime_method(lowered.pte, backend.runtime_imports))
+        tokens = torch.tensor([[3, 5, 7, 4]])
+        with torch.no_grad():
+            eager = module(tokens, torch.tensor([0]))
+        assert torch.allclose(step(tokens, torch.tensor([0])), eager, atol=5e-2), algorithm  # XNNPACK rounds activations its own way
+        programs[algorithm] = (lowered.delegation["ops"], len(lowered.pte))
+    # The random Llama's norm weights are all ones, which the .pte stores once; folded scales make them differ.
+    norm_bytes = sum(m.weight.numel() * 4 for m in module.modules() if type(m).__name__ == "RMSNorm")
+    ops, size = programs["minmax"]
+    for algorithm, (other_ops, other_size) in programs.items():
+        assert other_ops == ops, algorithm
+        assert abs(other_size - size) <= norm_bytes + 64, (algorithm, other_size, size)
+
+
+def test_unavailable_algorithm_is_refused_with_the_reason():
+    from quant.quantize import check_options
+
+    with pytest.raises(UserFacingError, match="gptq.*CUDA only.*choose one of: minmax, hqq, awq, spinquant"):
+        check_options("8da4w", {"quant_algorithm": "gptq"})
+    with pytest.raises(UserFacingError, match=r"8da8w has no int4 group-wise weights\); choose one of: minmax\."):
+        check_options("8da8w", {"quant_algorithm": "hqq"})
+    with pytest.raises(UserFacingError, match=r"outside \(0, 1\]"):
+        check_options("8da4w", {"mixed_precision_budget": 3})
+
+
+def _windows_of_tokens(ids: list[int], size: int = 32) -> set[tuple[int, ...]]:
+    return {tuple(ids[i:i + size]) for i in range(len(ids) - size + 1)}
+
+
+def test_calibration_and_evaluation_texts_share_no_32_token_window():
+    from quant.calibration import CALIBRATION_TEXT
+    from recipes.fidelity import EVAL_TEXT, HELDOUT_TEXT
+
+    paths = [CALIBRATION_TEXT, EVAL_TEXT, HELDOUT_TEXT]
+    assert len({p.resolve() for p in paths}) == 3 and all(p.exists() for p in paths)
+    try:
+        from models.checkpoint import builtin_gguf_path
+        from transformers import AutoTokenizer
+
+        gguf = builtin_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    except Exception:  # without the built-in model: words and punctuation marks as tokens
+        vocabulary: dict[str, int] = {}
+        tokenize = lambda text: [vocabulary.setdefault(w, len(vocabulary))  # noqa: E731
+                                 for w in re.findall(r"\w+|[^\w\s]", text)]
+    windows = [_windows_of_tokens(tokenize(p.read_text())) for p in paths]
+    assert all(len(w) > 100 for w in windows)
+    assert not windows[0] & windows[1] and not windows[0] & windows[2] and not windows[1] & windows[2]
+    # the check itself finds a shared passage
+    assert _windows_of_tokens(list(range(50))) & _windows_of_tokens(list(range(10, 80)))
+
+
+def test_mixed_precision_keeps_the_noisiest_layers_within_the_budget(random_llama):
+    from models.llama import ExportOptions, build_exportable
+    from quant.mixed_precision import added_noise, choose_8bit_layers, linear_weight_bytes
+    from quant.schemes import apply_scheme
+
+    config, state_dict, tokens, calibration = random_llama
+    module = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    choice = choose_8bit_layers(module, lambda m: apply_scheme(m, "8da4w", 32), list(calibration), 0.5)
+    assert len(choice["layers_8bit"]) == 1 and 0 < choice["extra_bytes_per_token"] <= 0.5 * choice["int4_bytes_per_token"]
+    noisiest = max(range(2), key=lambda i: added_noise([{"sqnr_db": s} for s in choice["int4_layer_sqnr_db"]])[i])
+    assert choice["layers_8bit"] == [noisiest]
+    assert choose_8bit_layers(module, lambda m: apply_scheme(m, "8da4w", 32), list(calibration), 1.0)[
+        "layers_8bit"] == [0, 1]
+
+    mixed = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    apply_scheme(mixed, "8da4w", 32, layers_8bit=choice["layers_8bit"])
+    int4 = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    apply_scheme(int4, "8da4w", 32)
+    assert linear_weight_bytes(mixed) - linear_weight_bytes(int4) == choice["extra_bytes_per_token"]
+    reference = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    with torch.no_grad():
+        ref = reference(tokens, torch.tensor([0]))
+        assert (mixed(tokens, torch.tensor([0])) - ref).pow(2).mean() < (int4(tokens, torch.tensor([0])) - ref).pow(2).mean()

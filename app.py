@@ -221,7 +221,7 @@ def generation_columns(summary: dict) -> str:
     """fp32 eager first, then one column per recipe; a failed recipe shows its error in its own column."""
     columns = [("fp32 reference", summary["reference"], None)]
     for report in summary["recipes"]:
-        generated = [g for g in report["generations"] if g["engine"] != "eager-fp32"]
+        generated = [g for g in report["generations"] if g != summary["reference"]]
         error = report["errors"][0]["message"] if report["errors"] else None
         columns.append((report["recipe"]["name"], generated[0] if generated else None, error))
     cells = []

@@ -21,6 +21,14 @@ class Scheme:
     # (program, calibration inputs [(tokens, input_pos), ...], recipe options)
     #   -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
     quantize_exported: Callable | None = None
+    # `apply` may run on one piece of the model at a time (an embedding, a decoder layer, the output layer),
+    # as the pieces are built: only one piece is then ever held in float. False: on the whole module.
+    layerwise: bool = True
+    # Bytes per weight of linears and of the embedding: as the quantized module holds them (torchao keeps int4
+    # and int8 values in int8, plus an fp32 scale and an int8 zero point per group), and as a .pte stores them
+    # (int4 packed two to a byte with a bf16 scale per group). For memory_estimate.py.
+    module_bytes: tuple[float, float] = (4.0, 4.0)
+    pte_bytes: tuple[float, float] = (4.0, 4.0)
 
 
 def _is_embedding(module: nn.Module, fqn: str) -> bool:
@@ -105,13 +113,19 @@ SCHEMES: dict[str, Scheme] = {
             "int8 dynamic activations, int4 group-wise weights on linears; 8-bit embeddings",
             _8da4w,
             default_group_size=32,
+            module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 1.0),
         ),
         Scheme("int4-weight", "int4 weight-only linears, group-wise (block 32); float activations",
-               _int4_weight, default_group_size=32),
-        Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight),
-        Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32),
-        Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w),
-        Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16),
+               _int4_weight, default_group_size=32, module_bytes=(1 + 5 / 32, 4.0), pte_bytes=(0.5 + 2 / 32, 4.0)),
+        Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight,
+               module_bytes=(1.0, 4.0), pte_bytes=(1.0, 4.0)),
+        Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32,
+               module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
+        Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
+               module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
+        # the cast also takes the module's own rope tables, outside every piece
+        Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16, layerwise=False,
+               module_bytes=(2.0, 2.0), pte_bytes=(2.0, 2.0)),
     )
 }
 

@@ -19,11 +19,13 @@ from recipes.delegation import delegation_table
 @dataclass
 class LoweredProgram:
     pte: bytes = field(repr=False)
-    edge_graph_module: object = field(repr=False)  # the lowered edge graph (to_executorch rewrites it later)
     delegation: dict  # recipes.delegation.delegation_table of the lowered edge graph, before to_executorch
     edge_nodes_before_partitioning: int | None
     lower_s: float
     serialize_s: float
+    # peak RSS of this process while lowering and while serializing (recipes/rss.py)
+    lower_peak_rss_mb: float | None = None
+    serialize_peak_rss_mb: float | None = None
 
 
 def op_type(node_name: str) -> str:
@@ -143,12 +145,13 @@ def lower_to_pte(
 ) -> LoweredProgram:
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from recipes import dependency_patches
+    from recipes import dependency_patches, rss
 
     dependency_patches.apply()
     counter = _EdgeOpCounter()
     _skip_redundant_decomposition(partitioners)
     preserved = _record_preserved_ops(partitioners)
+    rss.mark()
     start = time.perf_counter()
     try:
         with _capture_partitioner_logs() as reasons:
@@ -163,17 +166,21 @@ def lower_to_pte(
             partitioner.__dict__.pop("ops_to_not_decompose", None)
     lowered_gm = edge.exported_program().graph_module
     lower_s = time.perf_counter() - start
+    lower_peak = rss.peak_bytes() / rss.MB
     # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
     delegation = delegation_table(lowered_gm, ops_before_partitioning=dict(counter.counts),
                                   preserved_ops=preserved, partitioner_reasons=reasons)
+    del lowered_gm
+    rss.mark()
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
     executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
-    pte = bytes(executorch_program.buffer)
+    pte = executorch_program.buffer  # bytes already, cached by the manager: no further copy
     serialize_s = time.perf_counter() - start
     return LoweredProgram(
-        pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+        pte, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+        round(lower_peak, 1), round(rss.peak_bytes() / rss.MB, 1),
     )
 
 

@@ -28,6 +28,12 @@ class Recipe:
     options: dict = field(default_factory=dict)  # defaults of recipe options (group size, SoC, ...)
     # Engine label of the eager generation shown when the .pte cannot run here (or failed to lower).
     eager_engine: str = "eager-quantized"
+    # For recipes/memory_estimate.py: the peak RSS lowering adds, per byte of the .pte it makes; bytes per
+    # weight (linears, embedding) of the .pte when the backend stores weights otherwise than the scheme says;
+    # the peak of a PT2E quantization (observers, converted copy) per byte of the float module.
+    lowering_memory_ratio: float = 2.0
+    pte_bytes: tuple[float, float] | None = None
+    pt2e_memory_ratio: float = 3.0
 
 
 RECIPES: dict[str, Recipe] = {}

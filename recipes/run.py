@@ -23,10 +23,13 @@ from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from recipes import fidelity
 from recipes import generate as gen
+from recipes import memory_estimate, rss
 from recipes.lowering import export_program, lower_to_pte, write_atomically
 from recipes.registry import Recipe, get_recipe
 
 Progress = Callable[[float, str], None]
+# The eager reference runs in fp32 when it fits, else in the checkpoint's own dtype (memory_estimate.py).
+REFERENCE_ENGINES = {torch.float32: gen.ENGINE_EAGER_FP32, torch.bfloat16: "eager-bf16", torch.float16: "eager-fp16"}
 
 
 class Cancelled(UserFacingError):
@@ -69,6 +72,9 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+STAGE_PEAKS = "peak_rss_mb_by_stage"  # in timings while the job runs; the report's memory section after
+
+
 def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
     if not request.recipes:
         raise UserFacingError("no recipe chosen; pick at least one (see `python -m recipes list`).")
@@ -103,11 +109,19 @@ class _Stages:
             raise Cancelled("the job was cancelled; nothing was written for unfinished recipes.")
         if self.progress:
             self.progress(min(self.done / self.total, 0.99), message)
+        rss.mark()
         return time.perf_counter()
 
     def end(self, started: float, timings: dict, key: str) -> None:
         timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - started, 3)
+        record_peak(timings, key, rss.peak_bytes() / rss.MB)
         self.done += 1
+
+
+def record_peak(timings: dict, key: str, peak_mb: float | None) -> None:
+    if peak_mb is not None:
+        peaks = timings.setdefault(STAGE_PEAKS, {})
+        peaks[key] = max(peaks.get(key, 0.0), round(peak_mb, 1))
 
 
 def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
@@ -146,9 +160,14 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     shared_timings: dict = {}
 
     started = stages.begin("loading the checkpoint")
+    estimates: list = []  # the job's memory estimate, made from the config before any weight is read
+
+    def check_memory(config) -> None:
+        estimates.append(memory_estimate.check_job_fits(config, recipes, request.max_seq_len, request.generate))
+
     checkpoint = load_checkpoint(
         request.model, revision=request.revision, token=request.token, allow_pickle=request.allow_pickle,
-        progress=progress,
+        progress=progress, check_config=check_memory,
     )
     stages.end(started, shared_timings, "load")
     check_context(checkpoint, request)
@@ -159,17 +178,20 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
 
     reference = eval_reference = None
     if request.generate:
-        started = stages.begin("generating with the fp32 eager reference")
+        reference_dtype = estimates[0].reference_dtype if estimates else torch.float32
+        engine = REFERENCE_ENGINES[reference_dtype]
+        started = stages.begin(f"generating with the {engine} reference")
         reference_module = build_exportable(
-            checkpoint.config, checkpoint.state_dict, ExportOptions(request.max_seq_len, attention="sdpa")
+            checkpoint.config, checkpoint.state_dict,
+            ExportOptions(request.max_seq_len, attention="sdpa", dtype=reference_dtype), tie_output=True,
         )
-        reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
+        reference = _generate(gen.eager_step(reference_module), engine, checkpoint, request)
         stages.end(started, shared_timings, "reference_generation")
-        started = stages.begin("fp32 reference logits on the evaluation text")
+        started = stages.begin(f"{engine} reference logits on the evaluation text")
         eval_ids = fidelity.eval_token_ids(checkpoint.tokenizer)
         eval_reference = (eval_ids,
                           fidelity.sequence_logits(gen.eager_step(reference_module), eval_ids, request.max_seq_len),
-                          fidelity.targets_of(eval_ids, request.max_seq_len))
+                          fidelity.targets_of(eval_ids, request.max_seq_len), engine)
         stages.end(started, shared_timings, "reference_fidelity")
         del reference_module
 
@@ -178,7 +200,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     for recipe in recipes:
         recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
         report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir,
-                             eval_reference=eval_reference)
+                             eval_reference=eval_reference, estimate=estimates[0] if estimates else None)
         reports.append(report)
     summary = {"model": checkpoint.describe(), "reference": reference.to_dict() if reference else None,
                "recipes": reports}
@@ -218,9 +240,13 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         program = export_program(module, request.max_seq_len)
         stages.end(started, timings, "export")
         return module, program
-    module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
-    started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}")
-    apply_scheme(module, recipe.quantization, options.get("group_size"))
+    started = stages.begin(f"reading and quantizing ({recipe.quantization}) for {recipe.name}")
+    quantize = lambda unit: apply_scheme(unit, recipe.quantization, options.get("group_size"))  # noqa: E731
+    layerwise = scheme.apply is not None and scheme.layerwise
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options,
+                              transform_unit=quantize if layerwise else None)
+    if not layerwise:
+        quantize(module)
     stages.end(started, timings, "quantize")
     started = stages.begin(f"exporting for {recipe.name}")
     program = export_program(module, request.max_seq_len)
@@ -242,8 +268,9 @@ def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
-                eval_reference: tuple | None = None) -> dict:
+                eval_reference: tuple | None = None, estimate=None) -> dict:
     timings = dict(shared_timings)
+    timings[STAGE_PEAKS] = dict(shared_timings.get(STAGE_PEAKS, {}))
     report = {
         "model": checkpoint.describe(),
         "recipe": {"name": recipe.name, "backend": recipe.backend, "quantization": recipe.quantization,
@@ -269,6 +296,8 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         )
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
+        timings[STAGE_PEAKS].update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
+        del program  # the lowered program is in the .pte now; what stays is the module, for eager runs
         report["delegation"] = lowered.delegation
     except Cancelled:
         raise
@@ -302,6 +331,8 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte),
                          "sha256": hashlib.sha256(lowered.pte).hexdigest()}
     timings["peak_rss_mb"] = peak_rss_mb()
+    report["memory"] = {"peak_rss_mb_by_stage": timings.pop(STAGE_PEAKS), "peak_rss_mb": timings["peak_rss_mb"],
+                        "estimate": estimate.to_dict() if estimate is not None else None}
     write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())
     return report
 
@@ -318,9 +349,10 @@ def _recipe_engine(recipe, module, lowered, report) -> tuple:
 
 
 def _recipe_fidelity(recipe, step, engine, request, eval_reference) -> dict:
-    eval_ids, reference_logits, targets = eval_reference
+    eval_ids, reference_logits, targets, reference_engine = eval_reference
     logits = fidelity.sequence_logits(step, eval_ids, request.max_seq_len)
-    return fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
+    return {**fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets),
+            "reference_engine": reference_engine}
 
 
 def _error(stage: str, err: Exception) -> dict:
@@ -334,7 +366,7 @@ def summary_rows(summary: dict) -> list[dict]:
     rows = []
     for report in summary["recipes"]:
         delegation = report.get("delegation") or {}
-        runtime = [g for g in report["generations"] if g["engine"] != gen.ENGINE_EAGER_FP32]
+        runtime = [g for g in report["generations"] if g != summary["reference"]]
         rows.append({
             "recipe": report["recipe"]["name"],
             "backend": report["recipe"]["backend"],

@@ -136,6 +136,46 @@ def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None) 
         spec.apply(module, group_size or spec.default_group_size or 0)
 
 
+# Rows quantized at once by apply_scheme_by_rows: torchao's temporaries are about twice the fp32 weight it
+# quantizes, which for a 128256-row output layer is more than all the decoder layers together.
+ROWS_AT_ONCE = 8192
+
+
+def apply_scheme_by_rows(module: nn.Module, scheme: str, group_size: int | None = None,
+                         rows: int = ROWS_AT_ONCE) -> None:
+    """apply_scheme, a block of rows at a time when `module` is one large Linear or Embedding. The schemes
+    quantize each row on its own (groups and scales run along a row), so the result is the same tensor:
+    torchao's row-major parts (qdata, scale, zero point) concatenated."""
+    weight = getattr(module, "weight", None)
+    lone = isinstance(module, (nn.Linear, nn.Embedding)) and getattr(module, "bias", None) is None
+    if not lone or weight.shape[0] <= rows or not SCHEMES[scheme].layerwise:
+        apply_scheme(module, scheme, group_size)
+        return
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        piece = _module_like(module, weight.data[start:start + rows])
+        apply_scheme(piece, scheme, group_size)
+        parts.append(piece.weight.data)
+    if type(parts[0]) is torch.Tensor:
+        if parts[0].dtype == weight.dtype:
+            return  # the scheme leaves this module as it is
+        joined = torch.cat(parts)
+    else:
+        names, context = parts[0].__tensor_flatten__()
+        inner = {name: torch.cat([getattr(p, name) for p in parts]) for name in names}
+        joined = type(parts[0]).__tensor_unflatten__(inner, context, weight.shape, None)
+    del parts
+    module.weight = nn.Parameter(joined, requires_grad=False)
+
+
+def _module_like(module: nn.Module, weight: torch.Tensor) -> nn.Module:
+    with torch.device("meta"):
+        piece = (nn.Linear(weight.shape[1], weight.shape[0], bias=False) if isinstance(module, nn.Linear)
+                 else nn.Embedding(weight.shape[0], weight.shape[1]))
+    piece.weight = nn.Parameter(weight, requires_grad=False)
+    return piece
+
+
 # Group sizes offered for group-wise schemes (XNNPACK's block-wise int4 kernels and Core ML's
 # block-wise palettes take multiples of 32).
 GROUP_SIZES = (32, 64, 128, 256)

@@ -39,6 +39,14 @@ def needs_apple_os() -> str | None:
     )
 
 
+def _pte_bytes(quantization: str, precision: str) -> tuple[float, float]:
+    """fp16 compute stores every float weight (an fp32 module's, the int4 scheme's embedding) in fp16."""
+    from quant.schemes import SCHEMES
+
+    stored = SCHEMES[quantization].pte_bytes
+    return tuple(min(b, 2.0) for b in stored) if precision == "fp16" else stored
+
+
 def _coreml(name: str, quantization: str, precision: str, description: str, **options) -> Recipe:
     return register(
         Recipe(
@@ -51,6 +59,9 @@ def _coreml(name: str, quantization: str, precision: str, description: str, **op
             # The module stays fp32: Core ML's compute precision casts weights and ops to fp16 itself.
             cannot_run_here=needs_apple_os,
             options={"compute_units": "all", **options},
+            pte_bytes=_pte_bytes(quantization, precision),
+            # coremltools' MIL program, its fp16 copy of the weights and the .mlpackage (from a 1B export-only peak)
+            lowering_memory_ratio=9.0,
         )
     )
 

@@ -20,7 +20,7 @@ import thread_policy
 from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
-from quant.schemes import apply_scheme
+from quant.schemes import apply_scheme_by_rows
 from recipes import fidelity
 from recipes import generate as gen
 from recipes import memory_estimate, rss
@@ -241,7 +241,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         stages.end(started, timings, "export")
         return module, program
     started = stages.begin(f"reading and quantizing ({recipe.quantization}) for {recipe.name}")
-    quantize = lambda unit: apply_scheme(unit, recipe.quantization, options.get("group_size"))  # noqa: E731
+    quantize = lambda unit: apply_scheme_by_rows(unit, recipe.quantization, options.get("group_size"))  # noqa: E731
     layerwise = scheme.apply is not None and scheme.layerwise
     module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options,
                               transform_unit=quantize if layerwise else None)

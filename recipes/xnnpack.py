@@ -25,6 +25,8 @@ def _xnnpack(name: str, quantization: str, description: str, attention: str = "c
             attention=attention,
             runtime_imports=_RUNTIME_IMPORTS,
             options=options,
+            # the edge program's constants and the packed delegate blobs, beside the quantized module
+            lowering_memory_ratio=2.8,
         )
     )
 

@@ -148,3 +148,27 @@ def test_estimate_is_within_a_quarter_of_the_measured_peaks():
                                 budget_bytes=10**12)
         ratio = estimate.peak_rss_bytes / (m["peak_rss_mb"] * 2**20)
         assert 0.75 <= ratio <= 1.25, (m["model"], m["recipes"], m["generate"], ratio)
+
+
+@pytest.mark.parametrize("scheme", ["8da4w", "8da8w", "int4-weight", "8da4w-emb4"])
+def test_quantizing_by_rows_gives_the_same_tensors_as_at_once(scheme):
+    from quant.schemes import apply_scheme_by_rows
+
+    torch.manual_seed(0)
+    for make in (lambda: torch.nn.Linear(64, 100, bias=False), lambda: torch.nn.Embedding(100, 64)):
+        whole, by_rows = make(), make()
+        by_rows.load_state_dict(whole.state_dict())
+        apply_scheme(whole, scheme, 32)
+        apply_scheme_by_rows(by_rows, scheme, 32, rows=16)
+
+        expected, got = whole.weight.data, by_rows.weight.data
+        assert type(got) is type(expected)
+        if type(expected) is torch.Tensor:  # a module the scheme leaves float
+            assert torch.equal(got, expected)
+            continue
+        names, context = expected.__tensor_flatten__()
+        assert got.__tensor_flatten__()[1] == context and got.shape == expected.shape
+        for name in names:
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        x = torch.randint(0, 100, (1, 5)) if isinstance(whole, torch.nn.Embedding) else torch.randn(1, 5, 64)
+        assert torch.equal(by_rows(x), whole(x))

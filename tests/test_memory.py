@@ -137,11 +137,12 @@ def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit()
 
 
 def test_estimate_is_within_a_quarter_of_the_measured_peaks():
-    """bench/results/scale.json: peaks measured by `python -m bench --phases scale` (135M and the 1B shape)."""
+    """bench/results/scale.json: peak RSS of whole jobs measured by the benchmark's phase `scale` (the 1B shape
+    at least); the estimate is made here from the recorded config alone."""
     from transformers import LlamaConfig
 
     measured = json.loads(SCALE_RESULTS.read_text())["estimate_checks"]
-    assert {"smollm2-135m", "llama-3.2-1b"} <= {m["model"] for m in measured}
+    assert "llama-3.2-1b" in {m["model"] for m in measured}
     for m in measured:
         recipes = [get_recipe(name) for name in m["recipes"]]
         estimate = estimate_job(LlamaConfig(**m["config"]), recipes, m["max_seq_len"], m["generate"],

@@ -234,7 +234,7 @@ def generation_columns(summary: dict) -> str:
         return '<div class="lb-engine">Lower only: no sample generations were asked for.</div>'
     columns = [("fp32 reference", summary["reference"], None, None)]
     for report in summary["recipes"]:
-        generated = [g for g in report["generations"] if g["engine"] != "eager-fp32"]
+        generated = [g for g in report["generations"] if g != summary["reference"]]
         error = report["errors"][0]["message"] if report["errors"] else None
         columns.append((report["recipe"]["name"], generated[0] if generated else None, error,
                         report.get("runner_note")))

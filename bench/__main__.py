@@ -3,6 +3,8 @@
     python3 -m bench [--runs 3] [--phases decode,export,scaling] [--layers 1,2,4,8,16,30]
     python3 -m bench --phases breakdown --runs 11   (where a decode step's time goes, against the floor of
                                                      XNNPACK's kernels, bench/floor.py; not a default phase)
+    python3 -m bench --phases scale --runs 1 --shapes smollm2-135m,llama-3.2-1b --scale-full
+                                                    (the 1B/3B shapes, bench/scale.py; not a default phase)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
@@ -354,7 +356,20 @@ def _progress(message: str) -> None:
     print(f"[bench {dt.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
 
+def phase_scale(args, hf: Path) -> dict:
+    from bench import scale
+
+    return scale.phase_scale(args, TMP, PY, ROOT, optimum_export_cmd, optimum_available(), _progress)
+
+
+def summarize_scale(data: dict) -> dict:
+    from bench import scale
+
+    return scale.summarize_scale(data)
+
+
 PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "export": (phase_export, summarize_export, "peer"),
+          "scale": (phase_scale, summarize_scale, "peer"),
           "scaling": (phase_scaling, summarize_scaling, "layers"),
           "breakdown": (phase_breakdown, summarize_breakdown, "variant")}
 
@@ -389,6 +404,14 @@ def main() -> None:
                         "other peers' runs already in the phase's JSON are kept")
     parser.add_argument("--export-timeout", type=float, default=3600, help="seconds before an export is killed")
     parser.add_argument("--note", default="", help="a caveat printed with the tables (e.g. a shared CPU)")
+    parser.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,tinyllama-1.1b,llama-3.2-3b",
+                        help="scale phase: model shapes (bench/scale_models.py)")
+    parser.add_argument("--scale-recipes", default="xnnpack-8da4w", help="scale phase: export-only recipes")
+    parser.add_argument("--scale-full", action="store_true", help="scale phase: also the full xnnpack-8da4w job")
+    parser.add_argument("--scale-dir", default=str(ROOT / "bench" / ".cache" / "scale"),
+                        help="scale phase: where the random checkpoints are written (several GB each)")
+    parser.add_argument("--scale-memory-gb", type=float, default=12.0,
+                        help="scale phase: shapes whose export-only estimate is higher are not run")
     args = parser.parse_args()
     args.layers = [int(x) for x in args.layers.split(",") if x]
     args.skip = [x for x in args.skip.split(",") if x]

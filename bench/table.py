@@ -210,11 +210,30 @@ def _floor_lines(floor: dict | None) -> list[str]:
     return lines
 
 
+def scale_table(data: dict) -> list[str]:
+    lines = ["### Scale (random bf16 checkpoints with the published configs; max context 512)",
+             _meta_line(data["meta"]), "",
+             "| shape | peer | wall s | peak RSS MB (process tree) | estimate GB | .pte MB | stage peaks MB | runs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in data["shapes"]:
+        stages = ", ".join(f"{k} {v:.0f}" for k, v in (row.get("stage_peaks_mb") or {}).items())
+        lines.append(f"| {row['shape']} | {row['peer']} | {fmt(row.get('wall_s'))} | {fmt(row.get('peak_rss_mb'))} "
+                     f"| {fmt(row.get('estimate_gb'), 2)} | {fmt(row.get('pte_mb'))} | {stages} | {row['runs']} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | | | 0 |")
+    if data.get("decode_summary"):
+        lines += ["", "| shape | engine | prompt tokens | prefill tok/s | decode tok/s |", "|---|---|---|---|---|"]
+        for d in data["decode_summary"]:
+            lines.append(f"| {d['shape']} | {d['engine']} | {d['prompt_tokens']} | {fmt(d['prefill_tokens_per_s'])} "
+                         f"| {fmt(d['decode_tokens_per_s'])} |")
+    return lines
+
+
 def write_all(results: Path) -> None:
     lines = ["# Lowerbench benchmark results", "",
              "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
     for name, render in (("decode", decode_table), ("export", export_table), ("scaling", scaling_table),
-                         ("breakdown", breakdown_table)):
+                         ("breakdown", breakdown_table), ("scale", scale_table)):
         path = results / f"{name}.json"
         if not path.is_file():
             lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]

@@ -1,12 +1,18 @@
 """Resolve what the user named (nothing, a Hub repo id, a local folder, a .gguf file) into a Checkpoint:
-a Llama config, its fp32 state dict and its tokenizer. Nothing here writes outside the HF cache."""
+a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache.
+
+Safetensors weights stay on disk until a tensor is asked for (SafetensorsWeights), in the checkpoint's
+own dtype: a caller that builds the model one layer at a time holds one layer, never the whole model."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -24,7 +30,8 @@ class Checkpoint:
     id: str
     revision: str | None
     config: object  # transformers LlamaConfig
-    state_dict: dict[str, torch.Tensor] = field(repr=False)
+    # SafetensorsWeights (read on demand, in the stored dtype) or, for GGUF and pickle files, a dict
+    state_dict: Mapping[str, torch.Tensor] = field(repr=False)
     tokenizer: object = field(repr=False)
     path: str = ""
     # Every id that ends a generation: generation_config.json's eos_token_id (Llama 3 Instruct lists
@@ -38,7 +45,13 @@ class Checkpoint:
     @property
     def parameters(self) -> int:
         # Tied embeddings count once, as Hugging Face counts them.
-        return sum(t.numel() for k, t in self.state_dict.items() if k != "lm_head.weight" or not self.tied)
+        return sum(math.prod(tensor_shape(self.state_dict, k)) for k in self.state_dict
+                   if k != "lm_head.weight" or not self.tied)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype most of the weights are stored in (bf16 for most Hub checkpoints)."""
+        return weights_dtype(self.state_dict)
 
     @property
     def tied(self) -> bool:
@@ -70,18 +83,21 @@ def load_checkpoint(
     token: str | None = None,
     allow_pickle: bool = False,
     progress=None,
+    check_config: Callable[[object], None] | None = None,
 ) -> Checkpoint:
-    """`model` is None (built-in), a local folder, a local .gguf file, or a Hub repo id."""
+    """`model` is None (built-in), a local folder, a local .gguf file, or a Hub repo id. check_config(config)
+    runs once the config is known and before any weight is downloaded or read; it raises to refuse the job."""
     if not model:
         gguf = builtin_gguf_path()
         if gguf is not None:
-            ckpt = load_gguf(gguf)
+            ckpt = load_gguf(gguf, check_config)
             ckpt.source, ckpt.id = "builtin", BUILTIN_ID
             return ckpt
         # On a Space without the wheel the same model comes from the Hub.
         from models.hub import download_from_hub
 
-        folder = download_from_hub(BUILTIN_ID, revision=revision, token=token, progress=progress)
+        folder = download_from_hub(BUILTIN_ID, revision=revision, token=token, progress=progress,
+                                   check_config=check_config)
         ckpt = load_folder(folder, allow_pickle=allow_pickle)
         ckpt.source, ckpt.id, ckpt.revision = "builtin", BUILTIN_ID, revision
         return ckpt
@@ -93,14 +109,15 @@ def load_checkpoint(
             raise UserFacingError(
                 f"{model!r} is a file but not a .gguf; give a .gguf file or a Hugging Face model folder."
             )
-        return load_gguf(local)
+        return load_gguf(local, check_config)
     if local.is_dir():
-        return load_folder(local, allow_pickle=allow_pickle)
+        return load_folder(local, allow_pickle=allow_pickle, check_config=check_config)
     if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
         raise UserFacingError(f"local path {model!r} does not exist; give an existing folder or .gguf file.")
     from models.hub import download_from_hub
 
-    folder = download_from_hub(model, revision=revision, token=token, allow_pickle=allow_pickle, progress=progress)
+    folder = download_from_hub(model, revision=revision, token=token, allow_pickle=allow_pickle, progress=progress,
+                               check_config=check_config)
     ckpt = load_folder(folder, allow_pickle=allow_pickle)
     ckpt.source, ckpt.id, ckpt.revision = "hub", model, revision or "main"
     return ckpt
@@ -151,21 +168,79 @@ def weight_files(folder: Path) -> tuple[list[Path], list[Path]]:
     return safetensors, pickles
 
 
-def load_state_dict(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    safetensors, pickles = weight_files(folder)
-    if safetensors:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+class SafetensorsWeights(Mapping):
+    """The tensors of a folder's *.safetensors files, read one at a time: `weights[name]` (stored dtype) or
+    `weights.read(name, dtype)` copies one tensor out of a memory map that is closed again straight away,
+    so the file's pages leave the process with it. Nothing is kept: each read is a fresh tensor."""
 
-        state: dict[str, torch.Tensor] = {}
-        for file in safetensors:
+    def __init__(self, files: list[Path]):
+        from safetensors import SafetensorError, safe_open
+
+        self._file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        for file in files:
             try:
-                state.update(load_file(file))
+                with safe_open(file, framework="pt") as handle:
+                    for name in handle.keys():
+                        part = handle.get_slice(name)
+                        self._file_of[name] = file
+                        self._shapes[name] = tuple(part.get_shape())
+                        self._dtypes[name] = part.get_dtype()
             except (SafetensorError, OSError, ValueError) as err:
                 raise UserFacingError(
                     f"{file.name} is corrupt or truncated ({err}); delete it and download the model again."
                 ) from None
-        return {k: v.float() for k, v in state.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES.get(self._dtypes[name], torch.float32)
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        file = self._file_of[name]
+        try:
+            with safe_open(file, framework="pt") as handle:
+                # one copy, straight into the wanted dtype; the mapped tensor dies with the handle
+                return handle.get_tensor(name).to(dtype or self.stored_dtype(name), copy=True)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UserFacingError(
+                f"{file.name} is corrupt or truncated ({err}); delete it and download the model again."
+            ) from None
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def tensor_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    return weights.shape(name) if isinstance(weights, SafetensorsWeights) else tuple(weights[name].shape)
+
+
+def weights_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The dtype that holds the most elements."""
+    counts: dict[torch.dtype, int] = {}
+    for name in weights:
+        dtype = weights.stored_dtype(name) if isinstance(weights, SafetensorsWeights) else weights[name].dtype
+        counts[dtype] = counts.get(dtype, 0) + math.prod(tensor_shape(weights, name))
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def load_state_dict(folder: Path, allow_pickle: bool) -> Mapping[str, torch.Tensor]:
+    safetensors, pickles = weight_files(folder)
+    if safetensors:
+        return SafetensorsWeights(safetensors)
     if pickles and not allow_pickle:
         raise UserFacingError(
             f"{folder} has only pickle checkpoints ({', '.join(p.name for p in pickles)}), which can run code "
@@ -178,7 +253,7 @@ def load_state_dict(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]
                 state.update(torch.load(file, map_location="cpu", weights_only=True))
             except Exception as err:  # torch raises several types for a bad or unsafe pickle
                 raise UserFacingError(f"{file.name} could not be loaded with weights_only=True ({err}).") from None
-        return {k: v.float() for k, v in state.items()}
+        return state
     raise UserFacingError(f"{folder} has no weights (*.safetensors); give a complete Hugging Face model folder.")
 
 
@@ -191,9 +266,11 @@ def load_tokenizer(folder: Path, **kwargs):
         raise UserFacingError(f"the tokenizer in {folder} could not be loaded ({err}).") from None
 
 
-def load_folder(folder: Path, allow_pickle: bool = False) -> Checkpoint:
+def load_folder(folder: Path, allow_pickle: bool = False, check_config=None) -> Checkpoint:
     folder = Path(folder)
     config = read_config(folder)
+    if check_config is not None:
+        check_config(config)
     state = load_state_dict(folder, allow_pickle)
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(read_generation_eos(folder), config, tokenizer)
@@ -234,8 +311,10 @@ def gguf_architecture(path: Path) -> str:
         raise UserFacingError(f"{path.name} is not a readable GGUF file ({err}).") from None
 
 
-def load_gguf(path: Path) -> Checkpoint:
-    from transformers import AutoModelForCausalLM
+def load_gguf(path: Path, check_config=None) -> Checkpoint:
+    """Through transformers, which dequantizes the whole file to fp32 at once: fine for the built-in 135M
+    model, the one GGUF Lowerbench ships; a large GGUF is better converted to safetensors first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     arch = gguf_architecture(path)
@@ -243,6 +322,8 @@ def load_gguf(path: Path) -> Checkpoint:
         raise UserFacingError(
             f"{path.name} holds a GGUF model of architecture {arch!r}; Lowerbench takes only Llama GGUF files."
         )
+    if check_config is not None:
+        check_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     config = model.config
     config.quantization_config = None

@@ -1,5 +1,6 @@
 """Download a Llama checkpoint from the Hugging Face Hub into the standard HF cache, refusing early
-(before any byte of weights) what could not be loaded: no config, pickle-only weights, too large."""
+(before any byte of weights) what could not be loaded: no config, pickle-only weights, too large, or a
+config the caller's check refuses (the job's memory estimate): config.json comes down first."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import psutil
-from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -52,11 +53,14 @@ def download_from_hub(
     token: str | None = None,
     allow_pickle: bool = False,
     progress=None,
+    check_config=None,
 ) -> Path:
-    """Returns the snapshot folder in the HF cache; falls back to the cache when the Hub is unreachable."""
+    """Returns the snapshot folder in the HF cache; falls back to the cache when the Hub is unreachable.
+    check_config(config) runs on the downloaded config.json before any weight is requested."""
     secrets = [s for s in (token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")) if s]
     try:
-        return _download(repo_id, revision, token, allow_pickle, progress or (lambda fraction, message: None))
+        return _download(repo_id, revision, token, allow_pickle, progress or (lambda fraction, message: None),
+                         check_config)
     except UserFacingError as err:
         message = str(err)
         for secret in secrets:
@@ -64,7 +68,7 @@ def download_from_hub(
         raise UserFacingError(message) from None
 
 
-def _download(repo_id, revision, token, allow_pickle, progress) -> Path:
+def _download(repo_id, revision, token, allow_pickle, progress, check_config=None) -> Path:
     check_repo_id(repo_id)
     check_revision(revision)
     endpoint = constants.ENDPOINT
@@ -72,10 +76,10 @@ def _download(repo_id, revision, token, allow_pickle, progress) -> Path:
     try:
         info = HfApi().model_info(repo_id, revision=revision, token=token, files_metadata=True)
     except (TransportError, OfflineModeIsEnabled):
-        return _from_cache(repo_id, revision, token, endpoint, progress)
+        return _from_cache(repo_id, revision, token, endpoint, progress, check_config)
     except HfHubHTTPError as err:
         if err.response is not None and err.response.status_code >= 500:
-            return _from_cache(repo_id, revision, token, endpoint, progress)
+            return _from_cache(repo_id, revision, token, endpoint, progress, check_config)
         raise hub_error(err, repo_id, revision, endpoint) from None
 
     siblings = {s.rfilename: s for s in info.siblings or []}
@@ -87,6 +91,12 @@ def _download(repo_id, revision, token, allow_pickle, progress) -> Path:
     blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "blobs"
     new_bytes = sum(s.size or 0 for s in to_fetch if not (blobs / str(s.lfs.sha256 if s.lfs else s.blob_id)).exists())
     check_room(repo_id, disk=new_bytes, memory=total)
+    if check_config is not None:
+        try:
+            config_file = hf_hub_download(repo_id, "config.json", revision=revision, token=token)
+        except HfHubHTTPError as err:
+            raise hub_error(err, repo_id, revision, endpoint) from None
+        _check_config_file(Path(config_file), check_config)
 
     progress(0.05, f"Downloading {len(to_fetch)} files ({total / GB:.2f} GB) of {repo_id}")
     try:
@@ -197,7 +207,13 @@ def hub_error(err: HfHubHTTPError, repo_id: str, revision: str | None, endpoint:
     )
 
 
-def _from_cache(repo_id, revision, token, endpoint, progress) -> Path:
+def _check_config_file(config_file: Path, check_config) -> None:
+    from models.checkpoint import read_config
+
+    check_config(read_config(config_file.parent))
+
+
+def _from_cache(repo_id, revision, token, endpoint, progress, check_config=None) -> Path:
     try:
         folder = snapshot_download(
             repo_id,
@@ -212,6 +228,8 @@ def _from_cache(repo_id, revision, token, endpoint, progress) -> Path:
             f"cannot reach the Hub at {endpoint} and {repo_id} (revision {revision or 'main'}) is not in the cache "
             f"({constants.HF_HUB_CACHE}); check the network connection and HF_ENDPOINT, then try again."
         ) from None
+    if check_config is not None:
+        _check_config_file(Path(folder) / "config.json", check_config)
     progress(1.0, f"Hub unreachable: using the cached copy of {repo_id} in {folder}")
     return Path(folder)
 

@@ -18,7 +18,9 @@ concatenated from q_proj, k_proj and v_proj on load).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -322,40 +324,78 @@ class LlamaForExport(nn.Module):
             layer.self_attn.v_cache.zero_()
 
 
-def fuse_qkv_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face's q_proj/k_proj/v_proj weights (and biases) -> qkv_proj, rows in q, k, v order."""
-    fused = dict(weights)
-    for name in weights:
-        if not name.endswith(".self_attn.q_proj.weight"):
-            continue
-        prefix = name[: -len("q_proj.weight")]
-        for kind in ("weight", "bias"):
-            parts = [f"{prefix}{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj")]
-            if all(p in fused for p in parts):
-                fused[f"{prefix}qkv_proj.{kind}"] = torch.cat([fused.pop(p) for p in parts], dim=0)
-    return fused
+def checkpoint_names(name: str) -> list[str]:
+    """The checkpoint tensors one parameter of this module is made of: Hugging Face's names, and for the
+    fused qkv_proj its q_proj, k_proj and v_proj, concatenated in that order (rows q, k, v)."""
+    if ".self_attn.qkv_proj." in name:
+        return [name.replace(".qkv_proj.", f".{proj}.") for proj in ("q_proj", "k_proj", "v_proj")]
+    return [name]
 
 
-def build_exportable(config, state_dict: dict[str, torch.Tensor], options: ExportOptions) -> LlamaForExport:
-    """Fresh module with the checkpoint's weights; lm_head gets its own copy when embeddings are tied,
-    so embedding and output layer can be quantized differently."""
+def _units(module: LlamaForExport) -> list[tuple[str, nn.Module]]:
+    """The pieces the module is filled (and quantized) in, one after the other: embedding, each decoder
+    layer, final norm, output layer."""
+    body = module.model
+    layers = [(f"model.layers.{i}", layer) for i, layer in enumerate(body.layers)]
+    return [("model.embed_tokens", body.embed_tokens), *layers, ("model.norm", body.norm), ("lm_head", module.lm_head)]
+
+
+def _read(weights: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    read = getattr(weights, "read", None)  # a lazy checkpoint copies one tensor out of its file, in `dtype`
+    return read(name, dtype) if read is not None else weights[name].to(dtype)
+
+
+def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: ExportOptions,
+                     transform_unit: Callable[[nn.Module], None] | None = None,
+                     tie_output: bool = False) -> LlamaForExport:
+    """A fresh module with the checkpoint's weights in options.dtype, filled one unit (embedding, decoder
+    layer, norm, output layer) at a time: each tensor is read, cast and assigned, then `transform_unit(unit)`
+    runs (a quantization, which replaces the unit's float weights), so at most one unit is ever held in
+    float beyond what the transform keeps. With tied embeddings lm_head gets its own copy, so embedding and
+    output layer can be quantized differently; `tie_output` shares the embedding instead (no transform)."""
     if options.attention == "custom":
         # Registers llama::update_cache / llama::custom_sdpa with torch.
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+    if tie_output and transform_unit is not None:
+        raise ValueError("tie_output shares one tensor between two units, which a transform would quantize apart")
     # Built on meta so a 1B model does not first allocate random weights it then overwrites.
     with torch.device("meta"):
         module = LlamaForExport(config, options)
-    weights = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
-    weights = {k: v.to(options.dtype) for k, v in weights.items()}
-    if options.fuse_qkv:
-        weights = fuse_qkv_weights(weights)
-    missing, unexpected = module.load_state_dict(weights, strict=False, assign=True)
+    available = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
+    tied = "lm_head.weight" not in available and "model.embed_tokens.weight" in available
+    sources = {name: ["model.embed_tokens.weight"] if name == "lm_head.weight" and tied else checkpoint_names(name)
+               for name, _ in module.named_parameters()}
+    missing = [s for names in sources.values() for s in names if s not in available]
+    unexpected = sorted(available - {s for names in sources.values() for s in names})
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match the Llama layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    _fill_buffers(module, config, options)
+    for prefix, unit in _units(module):
+        for local_name, meta in list(unit.named_parameters()):
+            name = f"{prefix}.{local_name}"
+            if name == "lm_head.weight" and tied and tie_output:
+                tensor = module.model.embed_tokens.weight.data
+            else:
+                parts = [_read(state_dict, source, options.dtype) for source in sources[name]]
+                tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                del parts
+                if name == "lm_head.weight" and tied and not hasattr(state_dict, "read"):
+                    tensor = tensor.clone()  # a dict's .to() may hand back the embedding tensor itself
+            if tensor.shape != meta.shape:
+                raise ValueError(f"checkpoint tensor {name} is {tuple(tensor.shape)}, the config says {tuple(meta.shape)}")
+            owner_name, _, attr = local_name.rpartition(".")
+            owner = unit.get_submodule(owner_name) if owner_name else unit
+            owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+            del tensor
+        if transform_unit is not None:
+            transform_unit(unit)
+    return module.eval()
+
+
+def _fill_buffers(module: LlamaForExport, config, options: ExportOptions) -> None:
+    """The module's non-weight state (K/V caches, rope tables, norm constants, mask) made real."""
     for name, buf in list(module.named_buffers()):
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
@@ -371,4 +411,3 @@ def build_exportable(config, state_dict: dict[str, torch.Tensor], options: Expor
         module.rope_heads.copy_(rope_head_mask(module.shape).to(options.dtype))
     if options.attention == "sdpa":
         module.causal_mask.copy_(torch.tril(torch.ones_like(module.causal_mask)))
-    return module.eval()

@@ -58,3 +58,25 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     if spec.quantize_exported is None:  # a PT2E scheme quantizes the exported program later
         section["weight_bytes_per_token"] = linear_weight_bytes(module)
     return section, seconds
+
+
+def quantizes_by_unit(scheme: str, options: dict) -> bool:
+    """minmax and hqq quantize each weight on its own, so the module can be quantized piece by piece as it is
+    built (one piece in float at a time); AWQ, SpinQuant and mixed precision look at the whole float model."""
+    spec = SCHEMES[scheme]
+    algorithm = options.get("quant_algorithm") or spec.algorithms[0]
+    budget = float(options.get("mixed_precision_budget") or 0.0)
+    return spec.apply is not None and spec.layerwise and algorithm not in WHOLE_MODEL_ALGORITHMS and not budget
+
+
+WHOLE_MODEL_ALGORITHMS = ("awq", "spinquant")
+
+
+def unit_quantization_section(module, scheme: str, options: dict) -> dict:
+    """The report section of a module quantized by unit (quantizes_by_unit)."""
+    from quant.mixed_precision import linear_weight_bytes
+
+    spec = SCHEMES[scheme]
+    algorithm = options.get("quant_algorithm") or spec.algorithms[0]
+    return {"scheme": scheme, "algorithm": algorithm if spec.int4_config else None,
+            "weight_bytes_per_token": linear_weight_bytes(module)}

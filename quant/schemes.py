@@ -28,6 +28,14 @@ class Scheme:
     # quant.pt2e.quantize_pt2e: (program, calibration inputs, the backend's quantizer factory, static tokens,
     # max_seq_len) -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
     quantize_exported: Callable | None = None
+    # `apply` may run on one piece of the model at a time (an embedding, a decoder layer, the output layer),
+    # as the pieces are built: only one piece is then ever held in float. False: on the whole module.
+    layerwise: bool = True
+    # Bytes per weight of linears and of the embedding: as the quantized module holds them (torchao keeps int4
+    # and int8 values in int8, plus an fp32 scale and an int8 zero point per group), and as a .pte stores them
+    # (int4 packed two to a byte with a bf16 scale per group). For memory_estimate.py.
+    module_bytes: tuple[float, float] = (4.0, 4.0)
+    pte_bytes: tuple[float, float] = (4.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -155,22 +163,29 @@ SCHEMES: dict[str, Scheme] = {
             algorithms=INT4_ALGORITHMS,
             mixed_precision=True,
             int4_config=config_8da4w,
+            module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 1.0),
         ),
         Scheme("int4-weight", "int4 weight-only linears, group-wise (block 32); float activations",
                _int4_weight, default_group_size=32, algorithms=INT4_ALGORITHMS,
-               int4_config=lambda group_size, algorithm: config_weight_only(4, group_size, algorithm)),
-        Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight),
+               int4_config=lambda group_size, algorithm: config_weight_only(4, group_size, algorithm),
+               module_bytes=(1 + 5 / 32, 4.0), pte_bytes=(0.5 + 2 / 32, 4.0)),
+        Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight,
+               module_bytes=(1.0, 4.0), pte_bytes=(1.0, 4.0)),
         Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32,
-               algorithms=INT4_ALGORITHMS, mixed_precision=True, int4_config=config_8da4w),
-        Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w),
-        Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16),
+               algorithms=INT4_ALGORITHMS, mixed_precision=True, int4_config=config_8da4w,
+               module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
+        Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
+               module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
+        # the cast also takes the module's own rope tables, outside every piece
+        Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16, layerwise=False,
+               module_bytes=(2.0, 2.0), pte_bytes=(2.0, 2.0)),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.
         Scheme("16a4w", "PT2E, calibrated: 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer",
-               quantize_exported=quantize_pt2e),
+               quantize_exported=quantize_pt2e, layerwise=False),
         Scheme("16a8w", "PT2E, calibrated: 16-bit activations, 8-bit per-channel weights",
-               quantize_exported=quantize_pt2e),
+               quantize_exported=quantize_pt2e, layerwise=False),
         Scheme("8a8w", "PT2E, calibrated: 8-bit activations, 8-bit per-channel weights",
-               quantize_exported=quantize_pt2e),
+               quantize_exported=quantize_pt2e, layerwise=False),
     )
 }
 
@@ -206,6 +221,46 @@ def scheme_options(scheme: str) -> dict:
     if spec is None or len(spec.algorithms) == 1:
         return {}
     return {"quant_algorithm": spec.algorithms[0], **({"mixed_precision_budget": 0.0} if spec.mixed_precision else {})}
+
+
+# Rows quantized at once by apply_scheme_by_rows: torchao's temporaries are about twice the fp32 weight it
+# quantizes, which for a 128256-row output layer is more than all the decoder layers together.
+ROWS_AT_ONCE = 8192
+
+
+def apply_scheme_by_rows(module: nn.Module, scheme: str, group_size: int | None = None,
+                         rows: int = ROWS_AT_ONCE, algorithm: str | None = None) -> None:
+    """apply_scheme, a block of rows at a time when `module` is one large Linear or Embedding. The schemes
+    quantize each row on its own (groups and scales run along a row), so the result is the same tensor:
+    torchao's row-major parts (qdata, scale, zero point) concatenated."""
+    weight = getattr(module, "weight", None)
+    lone = isinstance(module, (nn.Linear, nn.Embedding)) and getattr(module, "bias", None) is None
+    if not lone or weight.shape[0] <= rows or not SCHEMES[scheme].layerwise:
+        apply_scheme(module, scheme, group_size, algorithm)
+        return
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        piece = _module_like(module, weight.data[start:start + rows])
+        apply_scheme(piece, scheme, group_size, algorithm)
+        parts.append(piece.weight.data)
+    if type(parts[0]) is torch.Tensor:
+        if parts[0].dtype == weight.dtype:
+            return  # the scheme leaves this module as it is
+        joined = torch.cat(parts)
+    else:
+        names, context = parts[0].__tensor_flatten__()
+        inner = {name: torch.cat([getattr(p, name) for p in parts]) for name in names}
+        joined = type(parts[0]).__tensor_unflatten__(inner, context, weight.shape, None)
+    del parts
+    module.weight = nn.Parameter(joined, requires_grad=False)
+
+
+def _module_like(module: nn.Module, weight: torch.Tensor) -> nn.Module:
+    with torch.device("meta"):
+        piece = (nn.Linear(weight.shape[1], weight.shape[0], bias=False) if isinstance(module, nn.Linear)
+                 else nn.Embedding(weight.shape[0], weight.shape[1]))
+    piece.weight = nn.Parameter(weight, requires_grad=False)
+    return piece
 
 
 # Group sizes offered for group-wise schemes (block-wise int4 kernels and palettes take multiples of 32).

@@ -56,15 +56,27 @@ BACKEND = Backend(
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
     # one slice and the causal mask built by comparison.
     attention="sdpa-slice",
+    # coremltools' MIL program, its fp16 copy of the weights and the .mlpackage
+    lowering_memory_ratio=9.0,
 )
+
+
+def _pte_bytes(quantization: str, precision: str) -> tuple[float, float]:
+    """fp16 compute stores every float weight (an fp32 module's, the int4 scheme's embedding) in fp16."""
+    from quant.schemes import SCHEMES
+
+    stored = SCHEMES[quantization].pte_bytes
+    return tuple(min(b, 2.0) for b in stored) if precision == "fp16" else stored
+
 
 # The module stays fp32: Core ML's compute precision casts weights and ops to fp16 itself.
 RECIPES = (
-    recipe(BACKEND, "fp32", "Core ML, fp16 compute (default)", name="coreml-fp16", options={"compute_units": "all"}),
+    recipe(BACKEND, "fp32", "Core ML, fp16 compute (default)", name="coreml-fp16", options={"compute_units": "all"},
+           pte_bytes=_pte_bytes("fp32", "fp16")),
     recipe(BACKEND, "fp32", "Core ML, fp32 compute", options={"compute_units": "all"},
            partitioners=coreml_partitioners("fp32")),
     recipe(BACKEND, "int8-weight", "Core ML, int8 per-channel weights, fp16 compute", name="coreml-int8",
-           options={"compute_units": "all"}),
+           options={"compute_units": "all"}, pte_bytes=_pte_bytes("int8-weight", "fp16")),
     recipe(BACKEND, "int4-weight", "Core ML, int4 weights (group 32), fp16 compute", name="coreml-int4",
-           options={"compute_units": "all", "group_size": 32}),
+           options={"compute_units": "all", "group_size": 32}, pte_bytes=_pte_bytes("int4-weight", "fp16")),
 )

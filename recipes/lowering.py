@@ -21,11 +21,13 @@ from recipes.delegation import delegation_table
 @dataclass
 class LoweredProgram:
     pte: bytes = field(repr=False)
-    edge_graph_module: object = field(repr=False)  # the lowered edge graph (to_executorch rewrites it later)
     delegation: dict  # recipes.delegation.delegation_table of the lowered edge graph, before to_executorch
     edge_nodes_before_partitioning: int | None
     lower_s: float
     serialize_s: float
+    # peak RSS of this process while lowering and while serializing (recipes/rss.py)
+    lower_peak_rss_mb: float | None = None
+    serialize_peak_rss_mb: float | None = None
 
 
 def op_type(node_name: str) -> str:
@@ -152,9 +154,12 @@ def lower_to_pte(
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
+    from recipes import rss
+
     counter = _EdgeOpCounter()
     _skip_redundant_decomposition(partitioners)
     preserved = _record_preserved_ops(partitioners)
+    rss.mark()
     start = time.perf_counter()
     try:
         with _capture_partitioner_logs() as reasons:
@@ -170,19 +175,23 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
             partitioner.__dict__.pop("ops_to_not_decompose", None)
     lowered_gm = edge.exported_program().graph_module
     lower_s = time.perf_counter() - start
+    lower_peak = rss.peak_bytes() / rss.MB
     # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
     delegation = delegation_table(lowered_gm, ops_before_partitioning=dict(counter.counts),
                                   preserved_ops=preserved, partitioner_reasons=reasons)
+    del lowered_gm
     if before_serialize is not None:
         before_serialize(edge)
+    rss.mark()
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
     executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
-    pte = bytes(executorch_program.buffer)
+    pte = executorch_program.buffer  # bytes already, cached by the manager: no further copy
     serialize_s = time.perf_counter() - start
     return LoweredProgram(
-        pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+        pte, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+        round(lower_peak, 1), round(rss.peak_bytes() / rss.MB, 1),
     )
 
 

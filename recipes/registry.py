@@ -54,6 +54,10 @@ class Backend:
     # quantized program gets before lowering (ExportedProgram, scheme) -> ExportedProgram.
     pt2e_quantizer: Callable | None = None
     pt2e_program_passes: Callable | None = None
+    # For recipes/memory_estimate.py: the peak RSS its lowering adds per byte of the .pte it makes, and the
+    # peak of a PT2E quantization (observers, converted copy) per byte of the float module.
+    lowering_memory_ratio: float = 2.0
+    pt2e_memory_ratio: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class Recipe:
     options: dict = field(default_factory=dict)  # defaults of recipe options (group size, SoC, ...)
     module_overrides: dict = field(default_factory=dict)  # ExportOptions fields that differ from the backend's
     partitioners: Callable[[dict], list] | None = None  # instead of the backend's (e.g. another precision)
+    # Bytes per weight (linears, embedding) of the .pte where the backend stores weights otherwise than the
+    # scheme says (recipes/memory_estimate.py).
+    pte_bytes: tuple[float, float] | None = None
 
     def export_options(self, max_seq_len: int) -> ExportOptions:
         backend = self.backend

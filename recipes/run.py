@@ -21,16 +21,18 @@ from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.layer_error import eager_layer_outputs
-from quant.schemes import SCHEMES
+from quant.schemes import SCHEMES, apply_scheme_by_rows
 from recipes import fidelity
 from recipes import generate as gen
-from recipes import llm_runner
+from recipes import llm_runner, memory_estimate, rss
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
 from recipes.lowering import export_program, lower_for_backend, write_atomically
 from recipes.registry import Recipe, get_recipe
 
 Progress = Callable[[float, str], None]
+# The eager reference runs in fp32 when it fits, else in the checkpoint's own dtype (memory_estimate.py).
+REFERENCE_ENGINES = {torch.float32: gen.ENGINE_EAGER_FP32, torch.bfloat16: "eager-bf16", torch.float16: "eager-fp16"}
 
 
 class Cancelled(UserFacingError):
@@ -76,6 +78,9 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+STAGE_PEAKS = "peak_rss_mb_by_stage"  # in timings while the job runs; the report's memory section after
+
+
 def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
     if not request.recipes:
         raise UserFacingError("no recipe chosen; pick at least one (see `python -m recipes list`).")
@@ -110,11 +115,19 @@ class _Stages:
             raise Cancelled("the job was cancelled; nothing was written for unfinished recipes.")
         if self.progress:
             self.progress(min(self.done / self.total, 0.99), message)
+        rss.mark()
         return time.perf_counter()
 
     def end(self, started: float, timings: dict, key: str) -> None:
         timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - started, 3)
+        record_peak(timings, key, rss.peak_bytes() / rss.MB)
         self.done += 1
+
+
+def record_peak(timings: dict, key: str, peak_mb: float | None) -> None:
+    if peak_mb is not None:
+        peaks = timings.setdefault(STAGE_PEAKS, {})
+        peaks[key] = max(peaks.get(key, 0.0), round(peak_mb, 1))
 
 
 def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
@@ -144,9 +157,14 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     shared_timings: dict = {}
 
     started = stages.begin("loading the checkpoint")
+    estimates: list = []  # the job's memory estimate, made from the config before any weight is read
+
+    def check_memory(config) -> None:
+        estimates.append(memory_estimate.check_job_fits(config, recipes, request.max_seq_len, request.generate))
+
     checkpoint = load_checkpoint(
         request.model, revision=request.revision, token=request.token, allow_pickle=request.allow_pickle,
-        progress=progress,
+        progress=progress, check_config=check_memory,
     )
     stages.end(started, shared_timings, "load")
     check_context(checkpoint, request)
@@ -160,14 +178,17 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
 
     reference = eval_reference = None
     if request.generate:
-        started = stages.begin("generating with the fp32 eager reference")
+        reference_dtype = estimates[0].reference_dtype if estimates else torch.float32
+        engine = REFERENCE_ENGINES[reference_dtype]
+        started = stages.begin(f"generating with the {engine} reference")
         reference_module = build_exportable(
-            checkpoint.config, checkpoint.state_dict, ExportOptions(request.max_seq_len, attention="sdpa")
+            checkpoint.config, checkpoint.state_dict,
+            ExportOptions(request.max_seq_len, attention="sdpa", dtype=reference_dtype), tie_output=True,
         )
-        reference = _generate(gen.eager_step(reference_module), gen.ENGINE_EAGER_FP32, checkpoint, request)
+        reference = _generate(gen.eager_step(reference_module), engine, checkpoint, request)
         stages.end(started, shared_timings, "reference_generation")
-        started = stages.begin("fp32 reference logits on the evaluation texts")
-        eval_reference = {}
+        started = stages.begin(f"{engine} reference logits on the evaluation texts")
+        eval_reference = {"engine": engine}
         for name, path in (("eval", fidelity.EVAL_TEXT), ("heldout", fidelity.HELDOUT_TEXT)):
             ids = fidelity.eval_token_ids(checkpoint.tokenizer, path)
             eval_reference[name] = (ids, fidelity.sequence_logits(gen.eager_step(reference_module), ids,
@@ -183,7 +204,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     for recipe in recipes:
         recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
         report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir,
-                             eval_reference=eval_reference, shipped_tokenizer=shipped_tokenizer)
+                             eval_reference=eval_reference, shipped_tokenizer=shipped_tokenizer,
+                             estimate=estimates[0] if estimates else None)
         reports.append(report)
     summary = {"model": checkpoint.describe(), "reference": reference.to_dict() if reference else None,
                "recipes": reports}
@@ -206,7 +228,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     """Quantized module (for eager generation) and ExportedProgram (for lowering), shared by every
     recipe that needs the same scheme, options and module shape."""
     from quant.calibration import calibration_inputs
-    from quant.quantize import quantize_module
+    from quant.quantize import quantize_module, quantizes_by_unit, unit_quantization_section
     from quant.schemes import SCHEMES
 
     options = recipe_options(recipe, request)
@@ -225,10 +247,18 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         program = export_program(module, request.max_seq_len, strict=recipe.backend.strict_export)
         stages.end(started, timings, "export")
         return module, program, quantization
-    module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
-    started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}")
-    quantization, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer,
-                                            request.max_seq_len)
+    started = stages.begin(f"reading and quantizing ({recipe.quantization}) for {recipe.name}")
+    if quantizes_by_unit(recipe.quantization, options):
+        algorithm = options.get("quant_algorithm")
+        module = build_exportable(
+            checkpoint.config, checkpoint.state_dict, export_options,
+            transform_unit=lambda unit: apply_scheme_by_rows(unit, recipe.quantization, options.get("group_size"),
+                                                             algorithm=algorithm))
+        quantization, seconds = unit_quantization_section(module, recipe.quantization, options), {}
+    else:
+        module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
+        quantization, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer,
+                                                request.max_seq_len)
     stages.end(started, timings, "quantize")
     timings.update(seconds)
     started = stages.begin(f"exporting for {recipe.name}")
@@ -268,8 +298,10 @@ def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
 
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
-                eval_reference: dict | None = None, shipped_tokenizer: dict[str, bytes] | None = None) -> dict:
+                eval_reference: dict | None = None, shipped_tokenizer: dict[str, bytes] | None = None,
+                estimate=None) -> dict:
     timings = dict(shared_timings)
+    timings[STAGE_PEAKS] = dict(shared_timings.get(STAGE_PEAKS, {}))
     report = {
         "model": checkpoint.describe(),
         "recipe": {"name": recipe.name, "backend": recipe.backend.name, "quantization": recipe.quantization,
@@ -299,6 +331,8 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         lowered = lower_for_backend(program, backend, partitioners, constant_methods=report["llm_metadata"])
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
+        timings[STAGE_PEAKS].update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
+        del program  # the lowered program is in the .pte now; what stays is the module, for eager runs
         report["delegation"] = lowered.delegation
     except Cancelled:
         raise
@@ -347,6 +381,8 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             _runner_generation(recipe, checkpoint, request, recipe_dir, report)
             stages.end(started, timings, "runner_generate")
     timings["peak_rss_mb"] = peak_rss_mb()
+    report["memory"] = {"peak_rss_mb_by_stage": timings.pop(STAGE_PEAKS), "peak_rss_mb": timings["peak_rss_mb"],
+                        "estimate": estimate.to_dict() if estimate is not None else None}
     write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())
     return report
 
@@ -395,7 +431,7 @@ def _recipe_fidelity(recipe, step, engine, request, eval_reference: dict) -> dic
     heldout_ids, heldout_logits, heldout_targets = eval_reference["heldout"]
     report["heldout"] = fidelity.heldout_report(
         heldout_logits, fidelity.sequence_logits(step, heldout_ids, request.max_seq_len), heldout_targets)
-    return report
+    return {**report, "reference_engine": eval_reference["engine"]}
 
 
 def _error(stage: str, err: Exception) -> dict:
@@ -409,7 +445,7 @@ def summary_rows(summary: dict) -> list[dict]:
     rows = []
     for report in summary["recipes"]:
         delegation = report.get("delegation") or {}
-        runtime = [g for g in report["generations"] if g["engine"] != gen.ENGINE_EAGER_FP32]
+        runtime = [g for g in report["generations"] if g != summary["reference"]]
         rows.append({
             "recipe": report["recipe"]["name"],
             "backend": report["recipe"]["backend"],

@@ -42,6 +42,8 @@ BACKEND = Backend(
         "executorch.kernels.quantized",  # quantized_decomposed::embedding_byte / embedding_4bit
     ),
     lowering_context=patched,
+    # the edge program's constants and the packed delegate blobs, beside the quantized module
+    lowering_memory_ratio=2.8,
 )
 
 RECIPES = (

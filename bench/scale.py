@@ -1,0 +1,139 @@
+"""Phase `scale`: Lowerbench on the shapes people ship (bench/scale_models.py: random bf16 checkpoints with
+the published configs), plus the built-in 135M model, one process at a time: export wall time, the peak RSS
+of each stage (the report's memory section, recipes/rss.py) and of the whole process tree, the .pte's size,
+and prefill/decode tok/s of that .pte on the ExecuTorch runtime (bench/decode.py). optimum-cli exports the
+same checkpoint in turn (A B A B) when bench/setup.sh has built its venv. A shape whose export-only estimate
+(recipes/memory_estimate.py) is over --scale-memory-gb is not run; the reason is recorded.
+
+Random weights time exactly as real ones: see bench/scale_models.py."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from bench.measure import run_measured
+
+SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
+RECIPE = "xnnpack-8da4w"
+
+
+def checkpoint_folder(name: str, cache: Path) -> Path:
+    from bench.checkpoints import hf_folder
+    from bench.scale_models import make_checkpoint
+
+    return hf_folder() if name == "smollm2-135m" else make_checkpoint(name, cache / name)
+
+
+def config_of(name: str, folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def export_only_estimate_gb(config: dict, recipes: list[str], generate: bool = False) -> float:
+    from transformers import LlamaConfig
+
+    from recipes.memory_estimate import estimate_job
+    from recipes.registry import get_recipe
+
+    estimate = estimate_job(LlamaConfig(**config), [get_recipe(r) for r in recipes], 512, generate,
+                            budget_bytes=10**12)
+    return round(estimate.peak_rss_bytes / 1e9, 2)
+
+
+def lowerbench_cmd(py: str, folder: Path, out: Path, recipe: str, max_seq_len: int, full: bool) -> list[str]:
+    return [py, "-m", "recipes", "run", "--model", str(folder), "--recipe", recipe, "--max-seq-len",
+            str(max_seq_len), *([] if full else ["--export-only"]), "--out", str(out)]
+
+
+def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_not, progress) -> dict:
+    cache = Path(args.scale_dir)
+    shapes = [s for s in args.shapes.split(",") if s]
+    recipes = [r for r in args.scale_recipes.split(",") if r]
+    runs, skipped, decode = [], {}, []
+    for shape in shapes:
+        if shape not in SHAPES:
+            raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        from bench.scale_models import CONFIGS
+
+        config = CONFIGS.get(shape)
+        if config is not None:
+            estimate = export_only_estimate_gb(config, [RECIPE])
+            if estimate > args.scale_memory_gb:
+                skipped[shape] = f"export-only estimate {estimate} GB is over --scale-memory-gb {args.scale_memory_gb}"
+                continue
+        folder = checkpoint_folder(shape, cache)
+        config = config_of(shape, folder)
+        peers = {f"lowerbench {r}": (r, False) for r in recipes}
+        if args.scale_full:
+            peers[f"lowerbench {RECIPE} full job"] = (RECIPE, True)
+        for i in range(args.runs):
+            for peer, (recipe, full) in peers.items():
+                out = tmp / "scale" / shape / f"{peer.replace(' ', '-')}-{i}"
+                shutil.rmtree(out, ignore_errors=True)
+                cmd = lowerbench_cmd(py, folder, out, recipe, 512, full)
+                record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{peer.replace(' ', '-')}-{i}.log", cwd=root,
+                                      timeout_s=args.export_timeout)
+                report = out / "report.json"
+                data = json.loads(report.read_text()) if report.is_file() else {}
+                record.update(shape=shape, peer=peer, recipe=recipe, full_job=full, run=i, config=config,
+                              estimate_gb=export_only_estimate_gb(config, [recipe], full),
+                              timings_s=data.get("timings_s"), memory=data.get("memory"),
+                              pte_bytes=(data.get("pte") or {}).get("bytes"), errors=data.get("errors"),
+                              generations=data.get("generations"), fidelity=data.get("fidelity"))
+                runs.append(record)
+                progress(f"scale {shape} {peer} run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB, "
+                         f"rc {record['returncode']}")
+            if optimum_why_not is None and "optimum" not in args.skip:
+                out = tmp / "scale" / shape / f"optimum-{i}"
+                shutil.rmtree(out, ignore_errors=True)
+                record = run_measured(optimum_cmd(folder, out), tmp / "logs" / f"scale-{shape}-optimum-{i}.log",
+                                      cwd=root, timeout_s=args.export_timeout)
+                pte = next(iter(sorted(out.glob("*.pte"))), None)
+                record.update(shape=shape, peer="optimum", run=i, pte_bytes=pte.stat().st_size if pte else None)
+                runs.append(record)
+                progress(f"scale {shape} optimum run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB")
+        if optimum_why_not is not None:
+            skipped[f"{shape} optimum"] = optimum_why_not
+        pte = next(iter(sorted((tmp / "scale" / shape).glob(f"lowerbench-{RECIPE}*-0/model.pte"))), None)
+        if pte is not None:
+            cmd = [py, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), "--hf", str(folder),
+                   "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+            record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-decode.log", cwd=root)
+            record.update(shape=shape, engine="lowerbench-pte")
+            decode.append(record)
+            progress(f"scale {shape} decode: {(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
+    return {"runs": runs, "decode": decode, "skipped": skipped,
+            "settings": {"max_seq_len": 512, "recipes": recipes, "full_job": args.scale_full,
+                         "checkpoints": "random bf16 safetensors with the published configs (bench/scale_models.py); "
+                                        "smollm2-135m: the built-in model as an fp32 folder"}}
+
+
+def summarize_scale(data: dict) -> dict:
+    from statistics import median
+
+    rows, checks = [], []
+    for key in dict.fromkeys((r["shape"], r["peer"]) for r in data["runs"]):
+        mine = [r for r in data["runs"] if (r["shape"], r["peer"]) == key and r["returncode"] == 0]
+        if not mine:
+            rows.append({"shape": key[0], "peer": key[1], "runs": 0})
+            continue
+        row = {"shape": key[0], "peer": key[1], "runs": len(mine),
+               "wall_s": round(median(r["wall_s"] for r in mine), 1),
+               "peak_rss_mb": round(median(r["peak_rss_mb"] for r in mine), 1),
+               "pte_mb": round(mine[0]["pte_bytes"] / 1e6, 1) if mine[0].get("pte_bytes") else None}
+        memory = mine[0].get("memory")
+        if memory:
+            row["stage_peaks_mb"] = memory["peak_rss_mb_by_stage"]
+            row["estimate_gb"] = mine[0]["estimate_gb"]
+        rows.append(row)
+        if key[1].startswith("lowerbench") and memory:
+            estimate = memory.get("estimate") or {}
+            checks.append({"model": key[0], "recipes": [mine[0]["recipe"]], "generate": mine[0]["full_job"],
+                           "max_seq_len": 512, "config": mine[0].get("config") or None,
+                           "peak_rss_mb": row["peak_rss_mb"], "estimate_at_run_gb": mine[0]["estimate_gb"],
+                           "reference_dtype": estimate.get("reference_dtype")})
+    decode = [{"shape": r["shape"], "engine": r["engine"], **{k: (r["result"] or {}).get(k) for k in
+               ("prompt_tokens", "new_tokens", "prefill_tokens_per_s", "decode_tokens_per_s")}}
+              for r in data.get("decode", [])]
+    return {"shapes": rows, "decode_summary": decode, "estimate_checks": checks}
+

@@ -1,0 +1,216 @@
+"""How much memory and disk a job will take, from the model's config alone, before any weight is read or
+downloaded; and the refusal of a job that cannot fit.
+
+A job's stages run one after another in one process, so its peak is the largest stage's. Each stage holds
+what the job keeps (the quantized modules of earlier recipes, the reference logits) plus its own working
+set, which the constants below give as ratios to the bytes it works on, measured stage by stage
+(recipes/rss.py; bench/results/scale.json, phase `scale`). A backend's lowering differs most, so its ratio
+is the backend's own `lowering_memory_ratio` (recipes/<backend>.py)."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from errors import UserFacingError
+
+GB = 1e9
+LIMIT_ENV = "LOWERBENCH_MEMORY_LIMIT_GB"
+
+# The process before any model: Python, torch, ExecuTorch, torchao and transformers imported.
+BASE_BYTES = 0.45 * GB
+# Working set of each stage as a multiple of what it works on:
+# quantizing: the unit being built (the output layer, for these vocabularies) in fp32, its quantized rows and
+# their concatenation (quant.schemes.apply_scheme_by_rows), over the module quantized so far;
+QUANTIZE_TRANSIENT = 1.5
+# export: torch.export's copies, over the quantized module;
+EXPORT_RATIO = 0.15
+# serialization: the flatbuffer pieces and the contiguous .pte, over the .pte;
+SERIALIZE_RATIO = 3.1
+# generation on the runtime: the program loaded from the .pte's bytes, over the .pte.
+RUNTIME_RATIO = 1.0
+# Tokens of the fidelity text per character (quant/eval_text.txt; Llama-family tokenizers make about 0.25).
+EVAL_TOKENS_PER_CHAR = 0.3
+PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
+
+
+@dataclass(frozen=True)
+class RecipeEstimate:
+    recipe: str
+    peak_rss_bytes: int
+    stages: dict[str, int]  # stage -> peak RSS of the process during it
+    pte_bytes: int
+
+
+@dataclass(frozen=True)
+class JobEstimate:
+    peak_rss_bytes: int
+    disk_bytes: int  # the outputs (.pte files); a download is checked on its own by models/hub.py
+    checkpoint_bytes: int  # the weights as stored (bf16 for most Hub checkpoints)
+    reference_dtype: torch.dtype | None  # the eager reference's dtype; None without generation
+    stages: dict[str, int]  # stages before any recipe (load, reference)
+    recipes: list[RecipeEstimate] = field(default_factory=list)
+
+    @property
+    def peak_stage(self) -> str:
+        stages = dict(self.stages)
+        for r in self.recipes:
+            stages.update({f"{r.recipe} {name}": value for name, value in r.stages.items()})
+        return max(stages, key=stages.get)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["reference_dtype"] = str(self.reference_dtype).replace("torch.", "") if self.reference_dtype else None
+        data["peak_stage"] = self.peak_stage
+        return data
+
+
+@dataclass(frozen=True)
+class _Weights:
+    linears: int  # weights of the decoder layers' linears
+    embedding: int
+    output: int  # lm_head: its own copy when tied (Lowerbench quantizes it apart from the embedding)
+    largest_unit: int  # weights of the largest piece the module is built in
+    tied: bool
+
+
+def _weights(config) -> _Weights:
+    from models.llama import LlamaShape
+
+    s = LlamaShape.from_config(config)
+    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    per_layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate
+    embedding = s.vocab_size * s.hidden
+    return _Weights(per_layer * s.n_layers, embedding, embedding, max(per_layer, embedding),
+                    bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(name, torch.dtype):
+        return name
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name).replace("torch.", ""), torch.float32)
+
+
+def _eval_tokens() -> int:
+    from recipes.fidelity import EVAL_TEXT
+
+    return int(len(Path(EVAL_TEXT).read_text()) * EVAL_TOKENS_PER_CHAR)
+
+
+def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
+    from models.llama import LlamaShape
+
+    s = LlamaShape.from_config(config)
+    return 2 * s.n_layers * max_seq_len * s.n_kv_heads * s.head_dim * dtype_bytes
+
+
+def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
+                 budget_bytes: int | None = None) -> JobEstimate:
+    """Peak RSS and output disk of running `recipes` (registry Recipes) on a model with this config.
+    With generation, the eager reference is fp32 when that fits in `budget_bytes` (default: this host's,
+    see memory_budget), else in the checkpoint's own dtype."""
+    if generate:
+        budget = memory_budget()[0] if budget_bytes is None else budget_bytes
+        fp32 = _estimate(config, recipes, max_seq_len, torch.float32)
+        stored = checkpoint_dtype(config)
+        if fp32.peak_rss_bytes <= budget or stored == torch.float32:
+            return fp32
+        return _estimate(config, recipes, max_seq_len, stored)
+    return _estimate(config, recipes, max_seq_len, None)
+
+
+def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None) -> JobEstimate:
+    from quant.schemes import SCHEMES
+
+    w = _weights(config)
+    vocab = config.vocab_size
+    stored_bytes = torch.finfo(checkpoint_dtype(config)).bits // 8
+    checkpoint_bytes = (w.linears + w.embedding + (0 if w.tied else w.output)) * stored_bytes
+    stages = {"load": BASE_BYTES}
+    kept = 0.0  # what the job holds from one stage to the next
+    window_logits = min(max_seq_len, 4096) * vocab * 4 * PREFILL_LOGITS
+    if reference_dtype is not None:
+        ref_bytes = torch.finfo(reference_dtype).bits // 8
+        eval_logits = _eval_tokens() * vocab * 4
+        ref_weights = (w.linears + w.embedding + (0 if w.tied else w.output)) * ref_bytes
+        stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
+                               + window_logits + 2 * eval_logits)
+        kept += eval_logits
+    per_recipe = []
+    shared: set = set()
+    for recipe in recipes:
+        scheme = SCHEMES[recipe.quantization]
+        lin_b, emb_b = scheme.module_bytes
+        module = (w.linears + w.output) * lin_b + w.embedding * emb_b + _kv_cache_bytes(config, max_seq_len, 4)
+        pte_lin, pte_emb = recipe.pte_bytes or scheme.pte_bytes
+        pte = (w.linears + w.output) * pte_lin + w.embedding * pte_emb
+        before = BASE_BYTES + kept
+        quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
+        if scheme.quantize_exported is not None:  # PT2E: observers and the converted copy over the float module
+            quantize = before + module * recipe.backend.pt2e_memory_ratio
+        run = {
+            "quantize": quantize,
+            "export": before + module * (1 + EXPORT_RATIO),
+            "lower": before + module + pte * recipe.backend.lowering_memory_ratio,
+            "serialize": before + module + pte * SERIALIZE_RATIO,
+        }
+        if reference_dtype is not None:
+            runs_here = recipe.backend.cannot_run_here() is None
+            run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
+            run["fidelity"] = run["generate"] + _eval_tokens() * vocab * 4
+        key = (recipe.quantization, recipe.export_options(max_seq_len))
+        if scheme.quantize_exported is None and key not in shared:
+            shared.add(key)
+            kept += module  # shared with later recipes of the same scheme (recipes/run.py keeps it)
+        run = {k: int(v) for k, v in run.items()}
+        per_recipe.append(RecipeEstimate(recipe.name, max(run.values()), run, int(pte)))
+    stages = {k: int(v) for k, v in stages.items()}
+    peak = max([*stages.values(), *(r.peak_rss_bytes for r in per_recipe)])
+    return JobEstimate(int(peak), sum(r.pte_bytes for r in per_recipe), int(checkpoint_bytes), reference_dtype,
+                       stages, per_recipe)
+
+
+def memory_budget() -> tuple[int, str]:
+    """(bytes a job may use, where that figure comes from): the free RAM plus what this process already
+    holds, or LOWERBENCH_MEMORY_LIMIT_GB when that is lower (a Space sets 16)."""
+    import psutil
+
+    from recipes import rss
+
+    free = psutil.virtual_memory().available + rss.rss_bytes()
+    budget, where = free, f"{free / GB:.1f} GB free RAM"
+    limit = os.environ.get(LIMIT_ENV)
+    if limit:
+        try:
+            limit_bytes = float(limit) * GB
+        except ValueError:
+            raise UserFacingError(f"{LIMIT_ENV}={limit!r} is not a number; give the memory limit in GB, e.g. 16.") from None
+        if limit_bytes < budget:
+            budget, where = int(limit_bytes), f"the limit of {float(limit):g} GB ({LIMIT_ENV})"
+    return int(budget), where
+
+
+def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool) -> JobEstimate:
+    """The job's estimate, or a UserFacingError with its numbers and what would fit instead."""
+    budget, where = memory_budget()
+    estimate = estimate_job(config, recipes, max_seq_len, generate, budget)
+    if estimate.peak_rss_bytes <= budget:
+        return estimate
+    options = []
+    if generate:
+        export_only = estimate_job(config, recipes, max_seq_len, False, budget)
+        options.append(f"an export-only run (--export-only: {export_only.peak_rss_bytes / GB:.1f} GB)")
+    if len(recipes) > 1:
+        alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget).peak_rss_bytes for r in recipes}
+        options.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
+    if max_seq_len > 256:
+        shorter = estimate_job(config, recipes, 256, generate, budget)
+        options.append(f"a smaller max context (--max-seq-len 256: {shorter.peak_rss_bytes / GB:.1f} GB)")
+    raise UserFacingError(
+        f"this job needs about {estimate.peak_rss_bytes / GB:.1f} GB of memory at its peak ({estimate.peak_stage}) "
+        f"but {where} allows {budget / GB:.1f} GB; choose " + (", or ".join(options) or "a smaller model") + "."
+    )
+

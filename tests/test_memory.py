@@ -1,0 +1,175 @@
+"""Memory proportional to one layer: the lazy safetensors loader, the unit-by-unit build, and the memory
+estimate that refuses a job before any weight is downloaded."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from errors import UserFacingError
+from models.checkpoint import SafetensorsWeights, load_checkpoint
+from models.llama import ExportOptions, build_exportable
+from quant.schemes import apply_scheme
+from recipes.memory_estimate import estimate_job
+from recipes.registry import get_recipe
+
+SCALE_RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "scale.json"
+
+
+@pytest.fixture(scope="module")
+def bf16_llama_dir(tmp_path_factory, tiny_llama_dir):
+    """The tiny Llama with its weights stored in bf16 and tied embeddings, as Llama 3.2 on the Hub."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("bf16-llama")
+    for file in tiny_llama_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, folder)
+    weights = load_file(tiny_llama_dir / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items() if k != "lm_head.weight"},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return folder
+
+
+def float_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()
+               if type(p.data) is torch.Tensor and p.dtype == torch.float32)
+
+
+def test_loader_keeps_bf16_weights_on_disk_and_hands_out_fresh_tensors(bf16_llama_dir):
+    checkpoint = load_checkpoint(str(bf16_llama_dir))
+    weights = checkpoint.state_dict
+
+    assert isinstance(weights, SafetensorsWeights)
+    assert not [v for v in vars(weights).values() if isinstance(v, torch.Tensor)]  # holds names, shapes, files
+    assert checkpoint.dtype == torch.bfloat16
+    name = "model.layers.0.mlp.up_proj.weight"
+    first, second = weights[name], weights[name]
+    assert first.dtype == torch.bfloat16 and torch.equal(first, second)
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()  # nothing cached
+    assert weights.read(name, torch.float32).dtype == torch.float32
+    assert checkpoint.tied and "lm_head.weight" not in weights
+    assert checkpoint.parameters == sum(torch.Size(weights.shape(k)).numel() for k in weights)
+
+
+def live_float_bytes() -> int:
+    """Bytes of every fp32 CPU tensor storage alive in this process, each storage once."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.dtype == torch.float32 and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_build_holds_at_most_one_unit_in_float_while_quantizing(bf16_llama_dir):
+    checkpoint = load_checkpoint(str(bf16_llama_dir))
+    before = live_float_bytes()
+    float_while_building = []
+
+    def quantize(unit):
+        float_while_building.append(live_float_bytes() - before)
+        apply_scheme(unit, "8da4w", 32)
+
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(32, attention="custom"),
+                              transform_unit=quantize)
+
+    units = [module.model.embed_tokens, *module.model.layers, module.model.norm, module.lm_head]
+    assert len(float_while_building) == len(units)
+    largest_unit = max(sum(p.numel() for p in u.parameters()) for u in units) * 4
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())  # caches, rope tables, norm constants
+    scales = largest_unit // 4  # fp32 group scales of the units quantized so far (5 bytes per 32 weights)
+    assert max(float_while_building) <= largest_unit + scales + buffers
+    whole_model = sum(torch.Size(checkpoint.state_dict.shape(k)).numel() for k in checkpoint.state_dict) * 4
+    assert largest_unit + scales + buffers < whole_model
+    # every linear and the embedding quantized; only the norms stay float
+    assert float_bytes(module) == sum(p.numel() * 4 for n, p in module.named_parameters() if "norm" in n)
+
+
+def test_reference_in_the_checkpoint_dtype_holds_no_fp32_copy(bf16_llama_dir):
+    checkpoint = load_checkpoint(str(bf16_llama_dir))
+    module = build_exportable(checkpoint.config, checkpoint.state_dict,
+                              ExportOptions(32, attention="sdpa", dtype=torch.bfloat16), tie_output=True)
+
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    # tied: the output layer is the embedding, not a second copy
+    assert module.lm_head.weight.data_ptr() == module.model.embed_tokens.weight.data_ptr()
+    logits = module(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_job_that_cannot_fit_is_refused_with_numbers_before_any_weight_download(hub, tmp_path, monkeypatch):
+    from recipes.run import RunRequest, run
+
+    monkeypatch.setenv("LOWERBENCH_MEMORY_LIMIT_GB", "0.2")
+    with pytest.raises(UserFacingError) as info:
+        run(RunRequest(recipes=["xnnpack-8da4w", "xnnpack-fp32"], out_dir=tmp_path / "out", model="org/tiny-llama",
+                       max_seq_len=512))
+    message = str(info.value)
+
+    assert "GB of memory at its peak" in message and "0.2 GB (LOWERBENCH_MEMORY_LIMIT_GB)" in message
+    assert "--export-only" in message and "one recipe at a time" in message and "--max-seq-len 256" in message
+    requested = hub.requested_files("org/tiny-llama")
+    assert "config.json" in requested
+    assert not [f for f in requested if f.endswith(".safetensors")]
+    assert not (tmp_path / "out").exists()
+
+
+def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit():
+    from recipes.memory_estimate import checkpoint_dtype
+    from bench.scale_models import CONFIGS
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**CONFIGS["llama-3.2-1b"])
+    recipes = [get_recipe("xnnpack-8da4w")]
+    roomy = estimate_job(config, recipes, 512, True, budget_bytes=10**12)
+    tight = estimate_job(config, recipes, 512, True, budget_bytes=roomy.peak_rss_bytes - 1)
+
+    assert checkpoint_dtype(config) == torch.bfloat16
+    assert roomy.reference_dtype == torch.float32 and tight.reference_dtype == torch.bfloat16
+    assert tight.stages["reference"] < roomy.stages["reference"]
+
+
+def test_estimate_is_within_a_quarter_of_the_measured_peaks():
+    """bench/results/scale.json: peak RSS of whole jobs measured by the benchmark's phase `scale` (the 1B shape
+    at least); the estimate is made here from the recorded config alone."""
+    from transformers import LlamaConfig
+
+    measured = json.loads(SCALE_RESULTS.read_text())["estimate_checks"]
+    assert "llama-3.2-1b" in {m["model"] for m in measured}
+    for m in measured:
+        recipes = [get_recipe(name) for name in m["recipes"]]
+        estimate = estimate_job(LlamaConfig(**m["config"]), recipes, m["max_seq_len"], m["generate"],
+                                budget_bytes=10**12)
+        ratio = estimate.peak_rss_bytes / (m["peak_rss_mb"] * 2**20)
+        assert 0.75 <= ratio <= 1.25, (m["model"], m["recipes"], m["generate"], ratio)
+
+
+@pytest.mark.parametrize("scheme", ["8da4w", "8da8w", "int4-weight", "8da4w-emb4"])
+def test_quantizing_by_rows_gives_the_same_tensors_as_at_once(scheme):
+    from quant.schemes import apply_scheme_by_rows
+
+    torch.manual_seed(0)
+    for make in (lambda: torch.nn.Linear(64, 100, bias=False), lambda: torch.nn.Embedding(100, 64)):
+        whole, by_rows = make(), make()
+        by_rows.load_state_dict(whole.state_dict())
+        apply_scheme(whole, scheme, 32)
+        apply_scheme_by_rows(by_rows, scheme, 32, rows=16)
+
+        expected, got = whole.weight.data, by_rows.weight.data
+        assert type(got) is type(expected)
+        if type(expected) is torch.Tensor:  # a module the scheme leaves float
+            assert torch.equal(got, expected)
+            continue
+        names, context = expected.__tensor_flatten__()
+        assert got.__tensor_flatten__()[1] == context and got.shape == expected.shape
+        for name in names:
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        x = torch.randint(0, 100, (1, 5)) if isinstance(whole, torch.nn.Embedding) else torch.randn(1, 5, 64)
+        assert torch.equal(by_rows(x), whole(x))

@@ -261,6 +261,7 @@ def build_app():
     import pandas as pd
 
     from recipes.generate import DEFAULT_PROMPT
+    from recipes.profile_view import profile_panel
     from recipes.run import RunRequest, summary_rows
 
     grouped = backends()
@@ -394,7 +395,7 @@ def build_app():
             component.change(selected_recipes, [*enabled, *choices], recipes_box, queue=False, api_visibility="private")
         for component in option_inputs:
             component.change(collect_options, option_inputs, options_box, queue=False, api_visibility="private")
-        lower_btn.click(
+        finished = lower_btn.click(
             lower,
             [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
              group_size, options_box],
@@ -404,6 +405,7 @@ def build_app():
         cancel_btn.click(cancel, None, status, concurrency_limit=None, api_name="cancel")
         op_filter.change(filter_ops, [ops_state, op_filter], op_table, queue=False, api_visibility="private")
         push_btn.click(push, [push_recipe, repo_name, private, token, dirs_state], push_status, api_name="push")
+        profile_panel(dirs_state, finished)
     return demo
 
 

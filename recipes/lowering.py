@@ -2,6 +2,7 @@
 executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte bytes, written atomically."""
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ class LoweredProgram:
     edge_nodes_before_partitioning: int | None
     lower_s: float
     serialize_s: float
+    etrecord: bytes | None = field(default=None, repr=False)  # ExecuTorch's ETRecord, when asked for
 
 
 def op_type(node_name: str) -> str:
@@ -140,6 +142,7 @@ def lower_to_pte(
     partitioners: list,
     transform_passes: list | None = None,
     compile_config=None,
+    generate_etrecord: bool = False,
 ) -> LoweredProgram:
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
@@ -157,6 +160,7 @@ def lower_to_pte(
                 partitioner=partitioners,
                 transform_passes=[*(transform_passes or []), counter],
                 compile_config=compile_config,
+                generate_etrecord=generate_etrecord,
             )
     finally:
         for partitioner in partitioners:
@@ -171,9 +175,14 @@ def lower_to_pte(
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
     executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
     pte = bytes(executorch_program.buffer)
+    etrecord = None
+    if generate_etrecord:
+        buffer = io.BytesIO()
+        executorch_program.get_etrecord().save(buffer)
+        etrecord = buffer.getvalue()
     serialize_s = time.perf_counter() - start
     return LoweredProgram(
-        pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s,
+        pte, lowered_gm, delegation, sum(counter.counts.values()), lower_s, serialize_s, etrecord,
     )
 
 

@@ -23,6 +23,7 @@ from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from recipes import fidelity
 from recipes import generate as gen
+from recipes import profile as profiling
 from recipes.lowering import export_program, lower_to_pte, write_atomically
 from recipes.registry import Recipe, get_recipe
 
@@ -50,6 +51,8 @@ class RunRequest:
     # False: only the .pte and its delegation report (CI jobs that test the .pte elsewhere); no sample
     # generations and no fidelity, so the report's generations list is empty.
     generate: bool = True
+    # An event-traced second pass of the generation, after the timed one (recipes/profile.py), and the ETRecord.
+    profile: bool = True
 
 
 def versions() -> dict:
@@ -141,7 +144,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     for recipe in recipes:
         if hasattr(recipe, "validate_options"):
             recipe.validate_options(request.options)
-    stages = _Stages(progress, cancel, total=3 + 6 * len(recipes))
+    stages = _Stages(progress, cancel, total=3 + 7 * len(recipes))
     out_dir = Path(request.out_dir)
     shared_timings: dict = {}
 
@@ -266,6 +269,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             recipe.partitioners(report["recipe"]["options"]),
             transform_passes=recipe.transform_passes() if recipe.transform_passes else None,
             compile_config=recipe.edge_compile_config() if recipe.edge_compile_config else None,
+            generate_etrecord=request.profile,
         )
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
@@ -301,6 +305,13 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         write_atomically(pte_path, lowered.pte)
         report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte),
                          "sha256": hashlib.sha256(lowered.pte).hexdigest()}
+        if lowered.etrecord is not None:
+            write_atomically(recipe_dir / profiling.ETRECORD_NAME, lowered.etrecord)
+    started = stages.begin(f"profiling {recipe.name}")
+    report.update(profiling.recipe_profile(report, recipe_dir, recipe.runtime_imports,
+                                           lambda step: _generate(step, gen.ENGINE_RUNTIME, checkpoint, request),
+                                           enabled=request.profile))
+    stages.end(started, timings, "profile")
     timings["peak_rss_mb"] = peak_rss_mb()
     write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())
     return report

@@ -98,3 +98,22 @@ def profile_panel(recipe_dirs_state, finished_event) -> None:
     finished_event.then(show, recipe_dirs_state, [summary, chart, choice, table, rows_state],
                         api_visibility="private")
     choice.change(profile_table, [rows_state, choice], table, queue=False, api_visibility="private")
+
+
+def model_card_lines(report: dict, top: int = 5) -> list[str]:
+    """The model card's profile section: a decode step's top ops, and how to open the ETDump and ETRecord."""
+    profile = report.get("profile")
+    if not profile or not profile.get("decode"):
+        return []
+    decode = profile["decode"]
+    lines = ["## Where a decode step's time goes", "",
+             f"Measured by Lowerbench on the ExecuTorch runtime (executorch {profile['executorch']}, event tracer on): "
+             f"{decode['step_ms']} ms per decode step, {decode['outside_delegates_percent']} % of it outside "
+             "delegates.", "", "| op | delegated | count | ms per step | % of step |", "|---|---|---|---|---|"]
+    for op in decode["ops"][:top]:
+        lines.append(f"| {op['op']} | {op['backend'] or 'no'} | {op['count']} | {op['ms_per_step']} | "
+                     f"{op['percent_of_step']} |")
+    lines += ["", "Lowerbench writes `model.etdump` (decode steps), `prefill.etdump` and `etrecord.bin` beside "
+              "`model.pte`; open them with `executorch.devtools.Inspector(etdump_path=\"model.etdump\", "
+              "etrecord=\"etrecord.bin\")`.", ""]
+    return lines

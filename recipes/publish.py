@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from errors import UserFacingError
+from recipes.profile_view import model_card_lines
 
 
 def model_card(report: dict) -> str:
@@ -45,6 +46,7 @@ def model_card(report: dict) -> str:
             text = g["text"].replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {g['engine']} | {g['decode_tokens_per_s']} | {text} |")
         lines.append("")
+    lines += model_card_lines(report)
     pte = report.get("pte") or {}
     if pte:
         lines += [f"`model.pte`: {pte['bytes']} bytes, sha256 `{pte['sha256']}`.", ""]

@@ -92,6 +92,10 @@ def test_app_frames_show_the_decode_step_top_ops_and_filter_the_table(tiny_profi
     assert set(table["phase"]) == {"decode", "prefill"} and table["delegated"].any() and not table["delegated"].all()
     summary = profile_view.profile_summary(list(reports.values()))
     assert "coreml-fp16**: no profile" in summary and "outside delegates" in summary
+    from recipes.publish import model_card
+
+    assert "Where a decode step's time goes" in model_card(reports["xnnpack-fp32"])
+    assert "Where a decode step's time goes" not in model_card(reports["coreml-fp16"])
 
 
 def test_no_profile_leaves_the_pte_without_etrecord(tiny_llama_dir, tmp_path):

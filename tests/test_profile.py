@@ -6,12 +6,15 @@ from recipes import profile
 
 
 @pytest.fixture(scope="module")
-def tiny_profiled_run(tiny_llama_dir, tmp_path_factory):
-    """The tiny Llama through run() with xnnpack-fp32 (runs here) and coreml-fp16 (cannot, off macOS)."""
+def tiny_profiled_run(tmp_path_factory):
+    """A random 2-layer Llama through run() with xnnpack-fp32 (runs here) and coreml-fp16 (cannot, off macOS).
+    Hidden 512: wide enough that a step's runtime, not the Python call around it, makes most of its time."""
     from recipes.run import RunRequest, run
+    from tests.conftest import _random_llama_dir
 
+    model = _random_llama_dir(tmp_path_factory, "profiled-llama", hidden=512, intermediate=1024, layers=2)
     out = tmp_path_factory.mktemp("tiny-profiled-run")
-    summary = run(RunRequest(recipes=["xnnpack-fp32", "coreml-fp16"], out_dir=out, model=str(tiny_llama_dir),
+    summary = run(RunRequest(recipes=["xnnpack-fp32", "coreml-fp16"], out_dir=out, model=str(model),
                              prompt="the capital of France is", max_new_tokens=8, max_seq_len=64))
     return out, {r["recipe"]["name"]: r for r in summary["recipes"]}
 

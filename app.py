@@ -341,6 +341,7 @@ def lower_page() -> None:
     import pandas as pd
 
     from recipes.generate import DEFAULT_PROMPT
+    from recipes.profile_view import profile_panel
     from recipes.run import RunRequest, summary_rows
 
     grouped = backends()
@@ -465,7 +466,7 @@ def lower_page() -> None:
             push_status = gr.Markdown(elem_id="push-status")
     ops_state, dirs_state = gr.State([]), gr.State({})
 
-    lower_btn.click(
+    finished = lower_btn.click(
         ticked, [*recipe_lists, *option_inputs], [recipes_box, options_box], queue=False, api_visibility="private",
     ).success(
         lower,
@@ -474,12 +475,15 @@ def lower_page() -> None:
         [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
          results],
         api_name="lower", show_progress_on=[status],
-    ).failure(lower_failed, None, [status, results], queue=False, api_visibility="private")
+    )
+    finished.failure(lower_failed, None, [status, results], queue=False, api_visibility="private")
     cancel_btn.click(cancel, None, status, concurrency_limit=None, api_name="cancel")
     op_filter.change(filter_ops, [ops_state, op_filter], op_table, queue=False, api_visibility="private")
     push_btn.click(push, [push_recipe, repo_name, private, token, dirs_state], push_status, api_name="push",
                    show_progress_on=[push_status],
                    ).failure(push_failed, None, push_status, queue=False, api_visibility="private")
+    with results:
+        profile_panel(dirs_state, finished)
 
 
 def main(argv: list[str] | None = None) -> None:

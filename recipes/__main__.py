@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
     run.add_argument("--export-only", action="store_true",
                      help="write the .pte and its delegation report only: no sample generations, no fidelity")
+    run.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                     help="after the timed generation, an event-traced pass on the ExecuTorch runtime: the report's "
+                          "per-op profile, and model.etdump and prefill.etdump beside model.pte")
+    run.add_argument("--etrecord", action="store_true",
+                     help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
     return parser
 
 
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
         temperature=args.temperature, top_p=args.top_p, options=options, generate=not args.export_only,
+        profile=args.profile, etrecord=args.etrecord,
     )
     try:
         summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))

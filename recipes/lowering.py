@@ -3,6 +3,7 @@ executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte bytes, writ
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ class LoweredProgram:
     # peak RSS of this process while lowering and while serializing (recipes/rss.py)
     lower_peak_rss_mb: float | None = None
     serialize_peak_rss_mb: float | None = None
+    etrecord: bytes | None = field(default=None, repr=False)  # ExecuTorch's ETRecord, when asked for
 
 
 def op_type(node_name: str) -> str:
@@ -142,16 +144,20 @@ def lower_to_pte(
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext,
     constant_methods: dict | None = None,
     before_serialize=None,
+    generate_etrecord: bool = False,
 ) -> LoweredProgram:
     """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
     and to_executorch and left before this returns. constant_methods: methods that return a constant
     (recipes.llm_metadata), kept in the .pte. before_serialize: called with the lowered EdgeProgramManager
-    before to_executorch (e.g. ExecuTorch's strip_taps_ for a program with intermediate-output taps)."""
+    before to_executorch (e.g. ExecuTorch's strip_taps_ for a program with intermediate-output taps).
+    generate_etrecord: also ExecuTorch's ETRecord of the program, for its devtools."""
     with lowering_context():
-        return _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize)
+        return _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
+                      generate_etrecord)
 
 
-def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize):
+def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
+           generate_etrecord):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from recipes import rss
@@ -169,6 +175,7 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
                 transform_passes=[*(transform_passes or []), counter],
                 constant_methods=constant_methods,
                 compile_config=compile_config,
+                generate_etrecord=generate_etrecord,
             )
     finally:
         for partitioner in partitioners:
@@ -188,10 +195,15 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
     executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
     pte = executorch_program.buffer  # bytes already, cached by the manager: no further copy
+    etrecord = None
+    if generate_etrecord:
+        buffer = io.BytesIO()
+        executorch_program.get_etrecord().save(buffer)
+        etrecord = buffer.getvalue()
     serialize_s = time.perf_counter() - start
     return LoweredProgram(
         pte, delegation, sum(counter.counts.values()), lower_s, serialize_s,
-        round(lower_peak, 1), round(rss.peak_bytes() / rss.MB, 1),
+        round(lower_peak, 1), round(rss.peak_bytes() / rss.MB, 1), etrecord,
     )
 
 

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from errors import UserFacingError
+from recipes.profile_view import model_card_lines
 from recipes.tokenizer_files import TOKENIZER_FILES
 
 SHIPPED_FILES = ("model.pte", *TOKENIZER_FILES, "report.json")
@@ -56,6 +57,7 @@ def model_card(report: dict, chat_template: str | None = None) -> str:
         lines.append("")
         if report.get("runner_note"):
             lines += [f"ExecuTorch's LLM runner did not run this file here: {report['runner_note']}.", ""]
+    lines += model_card_lines(report)
     pte = report.get("pte") or {}
     if pte:
         lines += [f"`model.pte`: {pte['bytes']} bytes, sha256 `{pte['sha256']}`.", ""]

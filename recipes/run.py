@@ -25,6 +25,7 @@ from quant.schemes import SCHEMES, apply_scheme_by_rows
 from recipes import fidelity
 from recipes import generate as gen
 from recipes import llm_runner, memory_estimate, rss
+from recipes import profile as profiling
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
 from recipes.lowering import export_program, lower_for_backend, write_atomically
@@ -56,6 +57,11 @@ class RunRequest:
     # False: only the .pte and its delegation report (CI jobs that test the .pte elsewhere); no sample
     # generations and no fidelity, so the report's generations list is empty.
     generate: bool = True
+    # An event-traced second pass of the generation, after the timed one (recipes/profile.py).
+    profile: bool = True
+    # ExecuTorch's ETRecord beside model.pte (its devtools map a profile back to the graph); it holds the
+    # exported and edge programs with their weights, a few times the .pte, so it is asked for.
+    etrecord: bool = False
 
 
 def versions() -> dict:
@@ -328,7 +334,8 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         report["recipe"]["options"] = {**options, **backend.describe_options(options)}
         report["llm_metadata"] = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                               _stop_ids(checkpoint))
-        lowered = lower_for_backend(program, backend, partitioners, constant_methods=report["llm_metadata"])
+        lowered = lower_for_backend(program, backend, partitioners, constant_methods=report["llm_metadata"],
+                                    generate_etrecord=request.etrecord)
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         timings[STAGE_PEAKS].update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
@@ -380,6 +387,13 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             started = stages.begin(f"generating with ExecuTorch's LLM runner ({recipe.name})")
             _runner_generation(recipe, checkpoint, request, recipe_dir, report)
             stages.end(started, timings, "runner_generate")
+        if lowered.etrecord is not None:
+            write_atomically(recipe_dir / profiling.ETRECORD_NAME, lowered.etrecord)
+    started = stages.begin(f"profiling {recipe.name}")
+    report.update(profiling.recipe_profile(report, recipe_dir, recipe.backend.runtime_imports,
+                                           lambda step: _generate(step, gen.ENGINE_RUNTIME, checkpoint, request),
+                                           enabled=request.profile))
+    stages.end(started, timings, "profile")
     timings["peak_rss_mb"] = peak_rss_mb()
     report["memory"] = {"peak_rss_mb_by_stage": timings.pop(STAGE_PEAKS), "peak_rss_mb": timings["peak_rss_mb"],
                         "estimate": estimate.to_dict() if estimate is not None else None}

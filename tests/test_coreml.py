@@ -125,3 +125,4 @@ def test_builtin_model_lowers_to_coreml(builtin_run):
     engines = [g["engine"] for g in report["generations"]]
     if platform.system() != "Darwin":
         assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report["runtime_note"]
+        assert report["profile"] is None and "Apple" in report["profile_note"]

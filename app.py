@@ -256,6 +256,46 @@ CSS = """
 """
 
 
+def zoo_tab(source, hub_repo, enabled: list, choices: list, backend_names: list[str], max_seq_len, group_size):
+    """The Zoo tab: the matrix's measured table with a backend filter; choosing a model fills the model
+    fields, preselects its recommended recipes and shows their measured figures (data: recipes/zoo.py)."""
+    import gradio as gr
+    import pandas as pd
+
+    from recipes import zoo
+
+    entries, cells = zoo.load_entries(), zoo.read_results()
+
+    def table(backend):
+        return pd.DataFrame(zoo.table_rows(cells, backend))
+
+    def choose(repo_id):
+        if not repo_id:
+            return [gr.update()] * (5 + 2 * len(backend_names))
+        entry = entries[repo_id]
+        pick = zoo.selection_for(entry)
+        return (
+            gr.update(value=BUILTIN if pick["builtin"] else HUB), gr.update(value=pick["repo_id"]),
+            *[gr.update(value=name in pick["recipes"]) for name in backend_names],
+            *[gr.update(value=[pick["recipes"][name]] if name in pick["recipes"] else []) for name in backend_names],
+            gr.update(value=pick["max_seq_len"]), gr.update(value=pick["group_size"] or 32),
+            pick["note"], pd.DataFrame(zoo.recommended_for(entry, cells)),
+        )
+
+    with gr.Tab("Zoo"):
+        gr.Markdown("Measured by `python -m recipes matrix` (zoo/README.md). Choose a model to fill the form "
+                    "with its recommended recipes.")
+        with gr.Row():
+            model = gr.Dropdown(list(entries), value=None, label="Zoo model", elem_id="zoo-model")
+            backend = gr.Dropdown(["all", *backend_names], value="all", label="Backend", elem_id="zoo-backend")
+        note = gr.Markdown()
+        recommended = gr.DataFrame(label="Recommended recipes and what the matrix measured", elem_id="zoo-recommended")
+        results = gr.DataFrame(table("all"), label="Zoo matrix (models × recipes)", elem_id="zoo-table")
+        backend.change(table, backend, results, queue=False, api_visibility="private")
+        model.change(choose, model, [source, hub_repo, *enabled, *choices, max_seq_len, group_size, note, recommended],
+                     queue=False, api_visibility="private")
+
+
 def build_app():
     import gradio as gr
     import pandas as pd
@@ -389,6 +429,7 @@ def build_app():
             push_btn = gr.Button("Push to Hub")
             push_status = gr.Markdown()
         ops_state, dirs_state = gr.State([]), gr.State({})
+        zoo_tab(source, hub_repo, enabled, choices, list(grouped), max_seq_len, group_size)
 
         for component in [*enabled, *choices]:
             component.change(selected_recipes, [*enabled, *choices], recipes_box, queue=False, api_visibility="private")

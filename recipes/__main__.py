@@ -1,4 +1,4 @@
-"""Headless Lowerbench: `python -m recipes list` and `python -m recipes run ...`."""
+"""Headless Lowerbench: `python -m recipes list`, `python -m recipes run ...` and `python -m recipes matrix ...`."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
     run.add_argument("--export-only", action="store_true",
                      help="write the .pte and its delegation report only: no sample generations, no fidelity")
+    from recipes.matrix import add_parser
+
+    add_parser(sub)
     return parser
 
 
@@ -51,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(list_recipes())
         return 0
+    if args.command == "matrix":
+        from recipes.matrix import main as matrix_main
+
+        try:
+            return matrix_main(args)
+        except UserFacingError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     from recipes.generate import DEFAULT_PROMPT
     from recipes.run import RunRequest, run, summary_rows
 

@@ -1,0 +1,26 @@
+"""The app's Zoo tab in Debian's chromium: choosing a zoo model fills the form with its recommendation."""
+from tests.test_app import app, launch_browser  # noqa: F401  (the running app fixture, shared)
+
+
+def test_zoo_tab_fills_the_hub_repo_and_preselects_recommended_recipes(app):  # noqa: F811
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        page.get_by_role("tab", name="Zoo").click()
+        page.locator("#zoo-model input").click()
+        page.get_by_role("option", name="meta-llama/Llama-3.2-1B-Instruct").click()
+        expect(page.locator("#zoo-recommended")).to_contain_text("coreml-int4", timeout=30_000)
+        expect(page.locator("#zoo-recommended")).to_contain_text("xnnpack-8da4w")
+        expect(page.get_by_text("unsloth/Llama-3.2-1B-Instruct")).to_be_visible()
+        expect(page.get_by_label("Hugging Face Hub repo")).to_be_checked()
+        expect(page.get_by_label("Hub repo id")).to_have_value("meta-llama/Llama-3.2-1B-Instruct")
+        expect(page.locator("#backend-coreml input")).to_be_checked()
+        expect(page.get_by_label("Max context (tokens)")).to_have_value("1024")
+
+        page.locator("#zoo-backend input").click()
+        page.get_by_role("option", name="coreml", exact=True).click()
+        expect(page.locator("#zoo-table")).not_to_contain_text("xnnpack-fp32", timeout=30_000)
+        browser.close()

@@ -267,7 +267,7 @@ def zoo_tab(source, hub_repo, enabled: list, choices: list, backend_names: list[
     entries, cells = zoo.load_entries(), zoo.read_results()
 
     def table(backend):
-        return pd.DataFrame(zoo.table_rows(cells, backend))
+        return pd.DataFrame(zoo.table_rows(cells, backend), columns=list(zoo.TABLE_COLUMNS))
 
     def choose(repo_id):
         if not repo_id:

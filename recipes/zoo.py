@@ -98,6 +98,10 @@ def read_results(path: Path = ZOO_DIR / "results.json") -> list[dict]:
     return json.loads(path.read_text())["cells"] if path.is_file() else []
 
 
+TABLE_COLUMNS = ("model", "recipe", "backend", "status", "delegated %", ".pte MB", "export s", "peak RSS MB",
+                 "decode tok/s", "ppl ratio", "weights", "reason")
+
+
 def cell_figures(cell: dict) -> dict:
     """The figures a table shows for one cell; None where not measured."""
     return {
@@ -121,7 +125,7 @@ def recommended_for(entry: ZooEntry, cells: list[dict]) -> list[dict]:
         measured = [c for c in cells if c["model"] == entry.repo_id and c["recipe"] == rec["recipe"]]
         figures = cell_figures(measured[-1]) if measured else {"status": "not measured"}
         rows.append({"backend": backend, "recipe": rec["recipe"], "max context": rec["max_seq_len"],
-                     "options": rec.get("options", {}), "why": rec["why"],
+                     "options": ", ".join(f"{k}={v}" for k, v in rec.get("options", {}).items()), "why": rec["why"],
                      **{k: v for k, v in figures.items() if k not in ("model", "recipe", "backend")}})
     return rows
 

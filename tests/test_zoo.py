@@ -67,3 +67,14 @@ def test_builtin_zoo_entry_matches_the_builtin_checkpoint_config():
                 "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
         assert getattr(config, key) == pytest.approx(entry.config[key]), key
     assert config.rope_parameters["rope_theta"] == entry.llama_config().rope_parameters["rope_theta"]
+
+
+def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_path):
+    from tests.conftest import run_cli
+
+    unknown_model = run_cli("matrix", "--models", "nobody/none", "--recipes", "xnnpack-fp32", "--out", str(tmp_path))
+    assert unknown_model.returncode == 2 and "is not in the zoo" in unknown_model.stderr
+    unknown_recipe = run_cli("matrix", "--models", "smollm2-360m-instruct", "--recipes", "xnnpack-int3",
+                             "--weights", "random", "--out", str(tmp_path))
+    assert unknown_recipe.returncode == 2 and "xnnpack" in unknown_recipe.stderr
+    assert not (tmp_path / "results.json").exists()

@@ -18,7 +18,9 @@ def test_zoo_tab_fills_the_hub_repo_and_preselects_recommended_recipes(app):  # 
         expect(page.get_by_label("Hugging Face Hub repo")).to_be_checked()
         expect(page.get_by_label("Hub repo id")).to_have_value("meta-llama/Llama-3.2-1B-Instruct")
         expect(page.locator("#backend-coreml input")).to_be_checked()
+        page.get_by_text("Advanced").click()
         expect(page.get_by_label("Max context (tokens)")).to_have_value("1024")
+        expect(page.get_by_label("Weight group size")).to_have_value("128")
 
         page.locator("#zoo-backend input").click()
         page.get_by_role("option", name="coreml", exact=True).click()

@@ -6,6 +6,7 @@ from pathlib import Path
 from recipes.lowering import write_atomically
 
 STATUS_MARK = {"ok": "ok", "failed": "failed", "refused": "refused", "oom": "OOM"}
+STATUS_COLOUR = {"failed": "#f2b8b8", "refused": "#f6d9a8", "oom": "#d98080"}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -94,14 +95,15 @@ def write_heatmap(cells: list[dict], path: Path) -> None:
             grid[i, j] = cell.get("delegated_percent") or 0
             label = f"{_fmt(cell.get('pte_mb'), 0)} MB"
         else:
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color=STATUS_COLOUR[cell["status"]], zorder=2))
             label = STATUS_MARK[cell["status"]]
-        ax.text(j, i, label, ha="center", va="center", fontsize=7)
+        ax.text(j, i, label, ha="center", va="center", fontsize=7, zorder=3)
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="Greens", vmin=0, vmax=100, aspect="auto")
-    ax.set_facecolor("#f2c4c4")
+    ax.set_facecolor("#f4f4f4")  # not run
     ax.set_xticks(range(len(recipes)), recipes, rotation=40, ha="right", fontsize=8)
     ax.set_yticks(range(len(models)), [m.split("/")[-1] for m in models], fontsize=8)
     fig.colorbar(image, ax=ax, label="delegated %")
-    ax.set_title("Lowerbench zoo: delegated % (text: .pte size or why not)", fontsize=9)
+    ax.set_title("Lowerbench zoo: delegated % (text: .pte size or why not; grey: not run)", fontsize=9)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

@@ -25,4 +25,5 @@ def test_zoo_tab_fills_the_hub_repo_and_preselects_recommended_recipes(app):  # 
         page.locator("#zoo-backend input").click()
         page.get_by_role("option", name="coreml", exact=True).click()
         expect(page.locator("#zoo-table")).not_to_contain_text("xnnpack-fp32", timeout=30_000)
+        expect(page.locator("#zoo-table")).to_contain_text("coreml-int4")
         browser.close()

@@ -253,9 +253,15 @@ def cell_path(out: Path, cell: Cell) -> Path:
     return out / "cells" / f"{cell.entry.slug}--{cell.recipe}--{cell.key}.json"
 
 
+def done_before(out: Path, cell: Cell) -> bool:
+    """A result exists and is not an OOM kill (which depends on what else ran on the node: tried again)."""
+    path = cell_path(out, cell)
+    return path.is_file() and json.loads(path.read_text())["status"] != "oom"
+
+
 def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) -> dict:
-    """Runs the cells not already in `out` on the connected Ray cluster; writes each cell's result as it
-    lands and results.json at the end. Returns {"computed": n, "skipped": m, "cells": [every record]}."""
+    """Runs the cells not already in `out` (OOM kills are tried again) on the connected Ray cluster; writes
+    each cell's result as it lands and results.json at the end. Returns {"computed": n, "skipped": m, "cells": [every record]}."""
     import ray
     from tqdm import tqdm
 
@@ -263,7 +269,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     from recipes.memory_estimate import estimate_job
 
     out = Path(out)
-    todo = [c for c in cells if not cell_path(out, c).is_file()]
+    todo = [c for c in cells if not done_before(out, c)]
     skipped = len(cells) - len(todo)
     node_cpus, node_memory = largest_node()
     remote_cell = ray.remote(max_retries=0, max_calls=1)(run_cell)

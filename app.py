@@ -324,6 +324,45 @@ def option_fields(option_defaults: dict) -> list:
     return fields
 
 
+def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_seq_len, group_size):
+    """The Zoo tab: the matrix's measured table with a backend filter; choosing a model fills the model
+    fields, preselects its recommended recipes and shows their measured figures (data: recipes/zoo.py)."""
+    import gradio as gr
+    import pandas as pd
+
+    from recipes import zoo
+
+    entries, cells = zoo.load_entries(), zoo.read_results()
+
+    def table(backend):
+        return pd.DataFrame(zoo.table_rows(cells, backend), columns=list(zoo.TABLE_COLUMNS))
+
+    def choose(repo_id):
+        if not repo_id:
+            return [gr.update()] * (6 + len(backend_names))
+        entry = entries[repo_id]
+        pick = zoo.selection_for(entry)
+        return (
+            gr.update(value=BUILTIN if pick["builtin"] else HUB), gr.update(value=pick["repo_id"]),
+            *[gr.update(value=[pick["recipes"][name]] if name in pick["recipes"] else []) for name in backend_names],
+            gr.update(value=pick["max_seq_len"]), gr.update(value=pick["group_size"] or 32),
+            pick["note"], pd.DataFrame(zoo.recommended_for(entry, cells)),
+        )
+
+    with gr.Tab("Zoo"):
+        gr.Markdown("Measured by `python -m recipes matrix` (zoo/README.md). Choose a model to fill the form "
+                    "with its recommended recipes.")
+        with gr.Row():
+            model = gr.Dropdown(list(entries), value=None, label="Zoo model", elem_id="zoo-model")
+            backend = gr.Dropdown(["all", *backend_names], value="all", label="Backend", elem_id="zoo-backend")
+        note = gr.Markdown()
+        recommended = gr.DataFrame(label="Recommended recipes and what the matrix measured", elem_id="zoo-recommended")
+        results = gr.DataFrame(table("all"), label="Zoo matrix (models × recipes)", elem_id="zoo-table")
+        backend.change(table, backend, results, queue=False, api_visibility="private")
+        model.change(choose, model, [source, hub_repo, *recipe_lists, max_seq_len, group_size, note, recommended],
+                     queue=False, api_visibility="private")
+
+
 def build_app():
     import gradio as gr
 
@@ -331,12 +370,15 @@ def build_app():
         gr.Markdown("# Lowerbench\nLower a Llama checkpoint to ExecuTorch with one or more backend recipes and "
                     "compare them side by side. The same runs from a script: `python -m recipes run --recipe A "
                     "--recipe B --out DIR`.")
-        lower_page()
+        with gr.Tab("Lower"):
+            form = lower_page()
+        zoo_tab(**form)
     return demo
 
 
-def lower_page() -> None:
-    """The model, the recipes and the run settings; then the job's status and its results."""
+def lower_page() -> dict:
+    """The model, the recipes and the run settings; then the job's status and its results. Returns the form
+    fields another tab fills (the Zoo's choice of model)."""
     import gradio as gr
     import pandas as pd
 
@@ -484,6 +526,8 @@ def lower_page() -> None:
                    ).failure(push_failed, None, push_status, queue=False, api_visibility="private")
     with results:
         profile_panel(dirs_state, finished)
+    return {"source": source, "hub_repo": hub_repo, "recipe_lists": recipe_lists, "backend_names": list(grouped),
+            "max_seq_len": max_seq_len, "group_size": group_size}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Headless Lowerbench: `python -m recipes list` and `python -m recipes run ...`."""
+"""Headless Lowerbench: `python -m recipes list`, `python -m recipes run ...` and `python -m recipes matrix ...`."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                           "per-op profile, and model.etdump and prefill.etdump beside model.pte")
     run.add_argument("--etrecord", action="store_true",
                      help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
+    from recipes.matrix import add_parser
+
+    add_parser(sub)
     return parser
 
 
@@ -64,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(list_recipes())
         return 0
+    if args.command == "matrix":
+        from recipes.matrix import main as matrix_main
+
+        try:
+            return matrix_main(args)
+        except UserFacingError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     from recipes.generate import DEFAULT_PROMPT
     from recipes.run import RunRequest, run, summary_rows
 

@@ -1,0 +1,86 @@
+"""`python -m recipes matrix` on a real local Ray cluster: tiny random Llamas, export only."""
+import json
+
+import pytest
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _entry_file(folder, name, layers):
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({"repo_id": f"test/{name}", "license": "apache-2.0", "gated": False,
+                                "config": {**TINY, "num_hidden_layers": layers}, "recommended": {}}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    from recipes.matrix import runtime_env
+
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env(), _memory=6 * 1024**3)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_entries(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zoo-entries")
+    return [_entry_file(folder, "tiny-a", 1), _entry_file(folder, "tiny-b", 2)]
+
+
+def _matrix(entries, recipes, out):
+    from recipes.matrix import plan_cells, run_matrix
+    from recipes.zoo import find_entry
+
+    cells = plan_cells([find_entry(e) for e in entries], recipes, max_seq_len=32, generate=False, weights="random")
+    return run_matrix(cells, out, log=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def first_matrix(ray_cluster, tiny_entries, tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix")
+    return out, _matrix(tiny_entries, ["xnnpack-fp32", "xnnpack-8da4w"], out)
+
+
+def test_matrix_of_two_models_by_two_recipes_writes_four_finished_cells(first_matrix):
+    out, result = first_matrix
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert result["computed"] == 4 and len(cells) == 4
+    assert {(c["model"], c["recipe"]) for c in cells} == {
+        (m, r) for m in ("test/tiny-a", "test/tiny-b") for r in ("xnnpack-fp32", "xnnpack-8da4w")}
+    for cell in cells:
+        assert cell["status"] == "ok", cell
+        assert cell["delegated_percent"] > 50 and cell["pte_mb"] > 0 and cell["peak_rss_mb"] > 0
+        assert cell["fidelity"] == "needs real weights" and cell["perplexity_ratio"] is None
+        assert cell["versions"]["executorch"] and cell["cpu"] and cell["date"]
+    assert (out / "README.md").read_text().count("| test/tiny-") == 2
+    assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_matrix_run_again_recomputes_nothing(first_matrix, tiny_entries):
+    out, _ = first_matrix
+    again = _matrix(tiny_entries, ["xnnpack-fp32", "xnnpack-8da4w"], out)
+    assert again["computed"] == 0 and again["skipped"] == 4 and len(again["cells"]) == 4
+
+
+def test_matrix_records_an_invalid_cell_with_its_reason_and_finishes_the_others(ray_cluster, tiny_entries, tmp_path):
+    result = _matrix(tiny_entries[:1], ["xnnpack-8da4w:group_size=128", "xnnpack-8da8w"], tmp_path)
+    by_recipe = {(c["recipe"], c["options"].get("group_size")): c for c in result["cells"]}
+    bad = by_recipe[("xnnpack-8da4w", 128)]
+    assert bad["status"] == "failed" and bad["stage"] == "request"
+    assert "group size 128 does not divide" in bad["reason"]
+    assert by_recipe[("xnnpack-8da8w", None)]["status"] == "ok"
+
+
+def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_cluster, tmp_path):
+    from recipes.matrix import plan_cells, run_matrix
+    from recipes.zoo import find_entry
+
+    cells = plan_cells([find_entry("meta-llama/Llama-3.1-8B-Instruct")], ["xnnpack-fp32"], max_seq_len=512,
+                       generate=False, weights="random")
+    [cell] = run_matrix(cells, tmp_path, log=lambda msg: None)["cells"]
+    assert cell["status"] == "refused" and cell["stage"] == "memory-estimate" and "GB" in cell["reason"]

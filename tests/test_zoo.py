@@ -1,0 +1,80 @@
+"""The zoo's data: every entry is a Llama config the pipeline loads, and every recommendation fits it."""
+import pytest
+
+from recipes.zoo import load_entries, recommendation_problems
+
+ENTRIES = load_entries()
+REQUIRED = ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
+            "HuggingFaceTB/SmolLM2-1.7B-Instruct", "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+            "meta-llama/Llama-3.2-1B-Instruct", "meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.1-8B-Instruct")
+
+
+def test_zoo_lists_the_required_models():
+    assert set(REQUIRED) <= set(ENTRIES)
+
+
+@pytest.mark.parametrize("repo_id", sorted(ENTRIES))
+def test_zoo_entry_config_loads_as_llama_config(repo_id):
+    from transformers import LlamaConfig
+
+    from models.checkpoint import check_llama_config
+    from models.llama import LlamaShape
+
+    entry = ENTRIES[repo_id]
+    config = entry.llama_config()
+    assert isinstance(config, LlamaConfig)
+    check_llama_config(config, repo_id)
+    shape = LlamaShape.from_config(config)
+    assert shape.n_heads * shape.head_dim == config.num_attention_heads * shape.head_dim
+    assert shape.n_heads % shape.n_kv_heads == 0
+
+
+@pytest.mark.parametrize("repo_id", sorted(ENTRIES))
+def test_zoo_entry_recommendations_exist_and_fit_the_shape(repo_id):
+    entry = ENTRIES[repo_id]
+    assert {"xnnpack", "coreml"} <= set(entry.recommended)
+    assert recommendation_problems(entry) == []
+    for rec in entry.recommended.values():
+        assert rec["why"] and rec["quant_algorithm"]
+
+
+def test_zoo_gated_entries_name_an_ungated_mirror():
+    for entry in ENTRIES.values():
+        assert entry.license
+        if entry.gated:
+            assert entry.ungated_mirror and entry.ungated_mirror != entry.repo_id
+
+
+def test_zoo_recommendation_check_refuses_a_group_that_does_not_divide():
+    import dataclasses
+
+    entry = ENTRIES["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    xnn = {**entry.recommended["xnnpack"], "options": {"group_size": 128}, "max_seq_len": 10**6}
+    bad = dataclasses.replace(entry, recommended={"xnnpack": xnn})
+    problems = recommendation_problems(bad)
+    assert any("does not divide" in p and "576" in p for p in problems)
+    assert any("max context" in p for p in problems)
+
+
+def test_builtin_zoo_entry_matches_the_builtin_checkpoint_config():
+    from models.checkpoint import builtin_gguf_path, load_checkpoint
+
+    if builtin_gguf_path() is None:
+        pytest.skip("the built-in GGUF is not installed")
+    entry = ENTRIES["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    config = load_checkpoint(None).config
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
+        assert getattr(config, key) == pytest.approx(entry.config[key]), key
+    assert config.rope_parameters["rope_theta"] == entry.llama_config().rope_parameters["rope_theta"]
+
+
+def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_path):
+    from tests.conftest import run_cli
+
+    unknown_model = run_cli("matrix", "--models", "nobody/none", "--recipes", "xnnpack-fp32", "--out", str(tmp_path))
+    assert unknown_model.returncode == 2 and "is not in the zoo" in unknown_model.stderr
+    unknown_recipe = run_cli("matrix", "--models", "smollm2-360m-instruct", "--recipes", "xnnpack-int3",
+                             "--weights", "random", "--out", str(tmp_path))
+    assert unknown_recipe.returncode == 2 and "xnnpack" in unknown_recipe.stderr
+    assert not (tmp_path / "results.json").exists()

@@ -1,0 +1,32 @@
+"""The app's Zoo tab in Debian's chromium: choosing a zoo model fills the form with its recommendation."""
+import re
+
+from tests.test_app import app, launch_browser  # noqa: F401  (the running app fixture, shared)
+
+
+def test_zoo_tab_fills_the_hub_repo_and_preselects_recommended_recipes(app):  # noqa: F811
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        page.get_by_role("tab", name="Zoo").click()
+        page.locator("#zoo-model input").click()
+        page.get_by_role("option", name="meta-llama/Llama-3.2-1B-Instruct").click()
+        expect(page.locator("#zoo-recommended")).to_contain_text("coreml-int4", timeout=30_000)
+        expect(page.locator("#zoo-recommended")).to_contain_text("xnnpack-8da4w")
+        expect(page.get_by_text("unsloth/Llama-3.2-1B-Instruct")).to_be_visible()
+        expect(page.get_by_label("Hugging Face Hub repo")).to_be_checked()
+        expect(page.get_by_label("Hub repo id")).to_have_value("meta-llama/Llama-3.2-1B-Instruct")
+        expect(page.locator("#recipes-coreml").get_by_label(re.compile(r"^coreml-int4 "))).to_be_checked()
+        expect(page.locator("#recipes-xnnpack").get_by_label(re.compile(r"^xnnpack-8da4w "))).to_be_checked()
+        page.get_by_text("Advanced").click()
+        expect(page.get_by_label("Max context (tokens)")).to_have_value("1024")
+        expect(page.get_by_label("Weight group size")).to_have_value("128")
+
+        page.locator("#zoo-backend input").click()
+        page.get_by_role("option", name="coreml", exact=True).click()
+        expect(page.locator("#zoo-table")).not_to_contain_text("xnnpack-fp32", timeout=30_000)
+        expect(page.locator("#zoo-table")).to_contain_text("coreml-int4")
+        browser.close()

@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                      help="after the timed generation, an event-traced pass on the ExecuTorch runtime: the report's "
                           "per-op profile, and model.etdump and prefill.etdump beside model.pte")
+    run.add_argument("--layer-map", action="store_true",
+                     help="also map each decoder layer's error against fp32 (SQNR, relative error): on the runtime "
+                          "this costs a second export and lowering")
     run.add_argument("--etrecord", action="store_true",
                      help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
     from recipes.matrix import add_parser
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
         temperature=args.temperature, top_p=args.top_p, options=options, generate=not args.export_only,
-        profile=args.profile, etrecord=args.etrecord,
+        profile=args.profile, etrecord=args.etrecord, layer_map=args.layer_map,
     )
     try:
         summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))

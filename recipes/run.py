@@ -62,6 +62,9 @@ class RunRequest:
     # ExecuTorch's ETRecord beside model.pte (its devtools map a profile back to the graph); it holds the
     # exported and edge programs with their weights, a few times the .pte, so it is asked for.
     etrecord: bool = False
+    # fidelity.layers: each decoder layer's error against fp32; where the .pte runs here it costs a second
+    # export and lowering (with the layer outputs tapped), so it is asked for.
+    layer_map: bool = False
 
 
 def versions() -> dict:
@@ -200,8 +203,9 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
             eval_reference[name] = (ids, fidelity.sequence_logits(gen.eager_step(reference_module), ids,
                                                                   request.max_seq_len),
                                     fidelity.targets_of(ids, request.max_seq_len))
-        eval_reference["layers"] = eager_layer_outputs(
-            reference_module, windows_of(eval_reference["eval"][0], request.max_seq_len))
+        if request.layer_map:
+            eval_reference["layers"] = eager_layer_outputs(
+                reference_module, windows_of(eval_reference["eval"][0], request.max_seq_len))
         stages.end(started, shared_timings, "reference_fidelity")
         del reference_module
 
@@ -363,12 +367,14 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
             started = stages.begin(f"measuring fidelity of {recipe.name}")
             report["fidelity"] = _recipe_fidelity(recipe, step, engine, request, eval_reference)
             stages.end(started, timings, "fidelity")
-            started = stages.begin(f"mapping error per layer of {recipe.name}")
-            report["fidelity"]["layers"] = layer_map(
-                engine, module, recipe, report["recipe"]["options"], eval_reference["layers"],
-                windows_of(eval_reference["eval"][0], request.max_seq_len), request.max_seq_len,
-                on_runtime=engine == gen.ENGINE_RUNTIME)
-            stages.end(started, timings, "layer_map")
+            report["fidelity"]["layers"] = None
+            if request.layer_map:
+                started = stages.begin(f"mapping error per layer of {recipe.name}")
+                report["fidelity"]["layers"] = layer_map(
+                    engine, module, recipe, report["recipe"]["options"], eval_reference["layers"],
+                    windows_of(eval_reference["eval"][0], request.max_seq_len), request.max_seq_len,
+                    on_runtime=engine == gen.ENGINE_RUNTIME)
+                stages.end(started, timings, "layer_map")
         except Cancelled:
             raise
         except Exception as err:  # a measurement that fails does not withhold a good .pte; the report says why

@@ -199,7 +199,7 @@ def tiny_fp32_lowered(tiny_checkpoint):
     return module, lowered, recipe
 
 
-def run_cli(*args, timeout=1800, env: dict | None = None):
+def run_cli(*args, timeout=3000, env: dict | None = None):
     """`python -m recipes ...` in a subprocess, as a user or CI script would run it; env: variables to add."""
     import os
     import subprocess

@@ -257,7 +257,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         program = export_program(module, request.max_seq_len, strict=recipe.backend.strict_export)
         stages.end(started, timings, "export")
         return module, program, quantization
-    started = stages.begin(f"reading and quantizing ({recipe.quantization}) for {recipe.name}")
+    started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}, reading its weights")
     if quantizes_by_unit(recipe.quantization, options):
         algorithm = options.get("quant_algorithm")
         module = build_exportable(

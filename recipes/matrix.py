@@ -275,6 +275,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
 
     from recipes.lowering import write_atomically
     from recipes.memory_estimate import estimate_job
+    from recipes.registry import get_recipe
 
     out = Path(out)
     todo = [c for c in cells if not done_before(out, c)]
@@ -287,7 +288,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     pending: dict[object, Cell] = {}
     finished = 0
     for cell in todo:
-        estimate = estimate_job(cell.entry.llama_config(), [cell.recipe], cell.max_seq_len, cell.generate)
+        estimate = estimate_job(cell.entry.llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len, cell.generate)
         refused = refusal(cell, estimate, node_memory)
         if refused is not None:
             write_atomically(cell_path(out, cell), json.dumps(refused, indent=2).encode())

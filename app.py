@@ -350,8 +350,8 @@ def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_
         )
 
     with gr.Tab("Zoo"):
-        gr.Markdown("Measured by `python -m recipes matrix` (zoo/README.md). Choose a model to fill the form "
-                    "with its recommended recipes.")
+        gr.Markdown("Measured by `python -m recipes matrix` (zoo/README.md). Choose a model to fill the Lower "
+                    "tab's form with its recommended recipes.")
         with gr.Row():
             model = gr.Dropdown(list(entries), value=None, label="Zoo model", elem_id="zoo-model")
             backend = gr.Dropdown(["all", *backend_names], value="all", label="Backend", elem_id="zoo-backend")

@@ -1,5 +1,5 @@
 """Resolve what the user named (nothing, a Hub repo id, a local folder, a .gguf file) into a Checkpoint:
-a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache.
+a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache and, for the built-in model, its converted folder (models/builtin.py).
 
 Safetensors weights stay on disk until a tensor is asked for (SafetensorsWeights), in the checkpoint's
 own dtype: a caller that builds the model one layer at a time holds one layer, never the whole model."""
@@ -90,8 +90,15 @@ def load_checkpoint(
     if not model:
         gguf = builtin_gguf_path()
         if gguf is not None:
-            ckpt = load_gguf(gguf, check_config)
-            ckpt.source, ckpt.id = "builtin", BUILTIN_ID
+            from models.builtin import converted_folder, is_complete, save_converted
+
+            folder = converted_folder(gguf)
+            if is_complete(folder):
+                ckpt = load_folder(folder, check_config=check_config)
+            else:
+                ckpt = load_gguf(gguf, check_config)
+                save_converted(ckpt, folder)
+            ckpt.source, ckpt.id, ckpt.path = "builtin", BUILTIN_ID, str(gguf)
             return ckpt
         # On a Space without the wheel the same model comes from the Hub.
         from models.hub import download_from_hub

@@ -230,7 +230,7 @@ def _builtin_cli_run(tmp_path_factory, name: str, recipes: list[str], max_new_to
 # The built-in model's end-to-end recipes in one CLI run: one load of the GGUF and one fp32 reference for all
 # of them. coreml-fp16 is lowered on the tiny Llama only: its path (same partitioner, same SDPA handling) is
 # coreml-int4's without the dequantize ops.
-BUILTIN_RECIPES = ["xnnpack-fp32", "xnnpack-8da4w", "coreml-int4", "vulkan-fp32"]
+BUILTIN_RECIPES = ["xnnpack-fp32", "xnnpack-8da4w", "coreml-int4"]
 
 
 @pytest.fixture(scope="session")

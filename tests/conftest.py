@@ -9,6 +9,22 @@ import thread_policy
 thread_policy.limit_openmp_default()
 thread_policy.torch_threads()
 
+# The suite runs on two pytest-xdist workers (pytest.ini). Tests sharing an expensive fixture stay on one
+# worker, so it is computed once: the built-in model's run, and test_matrix.py's Ray cluster. The built-in
+# group goes first, being the longest single chain.
+SHARED_FIXTURE_GROUPS = {"builtin_run": "builtin", "builtin_8da4w_run": "builtin", "builtin_fp32_run": "builtin",
+                         "ray_cluster": "ray"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        groups = {SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS}
+        for group in groups:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: "builtin_run" not in item.fixturenames)
+
+
 GOOD_TOKEN = "hf_goodTokenWithGatedAccess0123"
 OTHER_TOKEN = "hf_validTokenWithoutGatedAccess9"
 BAD_TOKEN = "hf_expiredOrRevokedToken4567890"

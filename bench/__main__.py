@@ -5,6 +5,8 @@
                                                      XNNPACK's kernels, bench/floor.py; not a default phase)
     python3 -m bench --phases scale --runs 1 --shapes smollm2-135m,llama-3.2-1b --scale-full
                                                     (the 1B/3B shapes, bench/scale.py; not a default phase)
+    python3 -m bench --phases runner --runs 5       (ExecuTorch's LLM runner on Lowerbench's and optimum's .pte,
+                                                     and the Python step loop on both, bench/runner.py)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
@@ -24,7 +26,8 @@ import sys
 from pathlib import Path
 
 from bench.checkpoints import builtin_gguf, hf_folder
-from bench.measure import run_measured
+from bench.measure import median, run_measured
+from bench.runner import summarize_runner
 from bench import table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,11 +49,6 @@ def machine() -> dict:
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def median(values):
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 3) if values else None
 
 
 def lowerbench_export_cmd(hf: Path, out: Path, export_only: bool = True) -> list[str]:
@@ -137,24 +135,84 @@ def phase_decode(args, hf: Path) -> dict:
         engines[table.MEMORY_READ] = [PY, "-m", "bench.memory", "--threads", str(args.threads)]
     for name in args.skip:
         skipped.setdefault(name, "skipped with --skip")
-    runs = []
-    for i in range(args.runs):
-        for name, cmd in engines.items():
-            if cmd is None:
-                continue
-            record = run_measured(cmd, log_dir / f"decode-{name}-{i}.log", cwd=ROOT)
-            record.update(engine=name, run=i)
-            runs.append(record)
-            result = record["result"] or {}
-            figure = (f"{result.get('read_gb_per_s')} GB/s" if name == table.MEMORY_READ
-                      else f"{result.get('decode_tokens_per_s')} tok/s")
-            _progress(f"decode {name} run {i}: {figure}")
+    runs = run_interleaved("decode", {name: cmd for name, cmd in engines.items() if cmd}, args.runs, log_dir)
     from bench.memory import decode_weight_bytes_per_token
 
     return {"skipped": skipped, "runs": runs,
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
                          "greedy": True, "eos_ignored": True,
                          "decode_weight_mb_per_token": round(decode_weight_bytes_per_token(hf) / 1e6, 2)}}
+
+
+def run_interleaved(phase: str, engines: dict[str, list[str]], runs: int, log_dir: Path) -> list[dict]:
+    """Every engine once per run, in turn (A B A B ...), each in its own process."""
+    records = []
+    for i in range(runs):
+        for name, cmd in engines.items():
+            record = run_measured(cmd, log_dir / f"{phase}-{name}-{i}.log", cwd=ROOT)
+            record.update(engine=name, run=i)
+            records.append(record)
+            result = record["result"] or {}
+            figure = (f"{result.get('read_gb_per_s')} GB/s" if name == table.MEMORY_READ
+                      else f"{result.get('decode_tokens_per_s')} tok/s")
+            _progress(f"{phase} {name} run {i}: {figure}")
+    return records
+
+
+def phase_runner(args, hf: Path) -> dict:
+    """ExecuTorch's LLM runner on Lowerbench's and optimum's xnnpack 8da4w .pte, and the Python step loop
+    (bench/decode.py) on the same two files: same prompt, token count and threads, interleaved run by run.
+    The runner loads Lowerbench's tokenizer.json for both: optimum-cli writes none."""
+    from bench.runner import LONG_ANSWER_PROMPT
+
+    log_dir = TMP / "logs"
+    common = ["--hf", str(hf), "--prompt", LONG_ANSWER_PROMPT, "--new-tokens", str(args.new_tokens),
+              "--threads", str(args.threads)]
+    skipped, programs = {}, {}
+    pte = lowerbench_pte(hf, log_dir)
+    tokenizer_json = pte.parent / "tokenizer.json" if pte else None
+    if pte is None or not tokenizer_json.is_file():
+        skipped["lowerbench-pte"] = "no Lowerbench .pte with its tokenizer.json (see bench/results/tmp/logs)"
+        return {"skipped": skipped, "runs": [], "settings": {"ratios": []}}
+    programs["lowerbench-pte"] = pte
+    opte, why_not = optimum_pte(hf, log_dir) if "optimum-pte" not in args.skip else (None, "skipped with --skip")
+    if opte is not None:
+        programs["optimum-pte"] = opte
+    else:
+        skipped["optimum-pte"] = why_not
+    engines = {}
+    for program, path in programs.items():
+        engines[f"{program} · {table.RUNNER}"] = [PY, "-m", "bench.runner", "--pte", str(path),
+                                                   "--tokenizer-json", str(tokenizer_json), *common]
+        engines[f"{program} · {table.STEP_LOOP}"] = [PY, "-m", "bench.decode", program, "--pte", str(path), *common]
+    ratios = [("Lowerbench ÷ optimum, both in the LLM runner", f"lowerbench-pte · {table.RUNNER}",
+               f"optimum-pte · {table.RUNNER}"),
+              ("Lowerbench ÷ optimum, both in the Python step loop", f"lowerbench-pte · {table.STEP_LOOP}",
+               f"optimum-pte · {table.STEP_LOOP}"),
+              *((f"LLM runner ÷ Python step loop, {p}", f"{p} · {table.RUNNER}", f"{p} · {table.STEP_LOOP}")
+                for p in programs)]
+    runs = run_interleaved("runner", engines, args.runs, log_dir)
+    return {"skipped": skipped, "runs": runs,
+            "settings": {"prompt": LONG_ANSWER_PROMPT, "new_tokens": args.new_tokens, "threads": args.threads,
+                         "max_seq_len": MAX_SEQ_LEN, "greedy": True, "programs": {k: str(v) for k, v in programs.items()},
+                         "tokenizer_json": str(tokenizer_json), "versions": versions(), "ratios": ratios}}
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    found = {name: version(name) for name in ("executorch", "torch", "torchao", "transformers")}
+    optimum_python = OPTIMUM_VENV / "bin" / "python"
+    if optimum_python.exists():
+        import subprocess
+
+        out = subprocess.run([str(optimum_python), "-c", "from importlib.metadata import version as v; "
+                              "print(v('optimum-executorch'), v('executorch'), v('torch'))"],
+                             capture_output=True, text=True)
+        if out.returncode == 0:
+            opt, et, torch = out.stdout.split()
+            found["optimum_export"] = {"optimum-executorch": opt, "executorch": et, "torch": torch}
+    return found
 
 
 def summarize_decode(data: dict) -> dict:
@@ -368,7 +426,7 @@ def summarize_scale(data: dict) -> dict:
     return scale.summarize_scale(data)
 
 
-PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "export": (phase_export, summarize_export, "peer"),
+PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase_runner, summarize_runner, "engine"), "export": (phase_export, summarize_export, "peer"),
           "scale": (phase_scale, summarize_scale, "peer"),
           "scaling": (phase_scaling, summarize_scaling, "layers"),
           "breakdown": (phase_breakdown, summarize_breakdown, "variant")}

@@ -1,6 +1,6 @@
 """Run one command as a child process; wall time and peak RSS of its whole process tree
 (sum of RSS over the tree, polled, each address space counted once), plus what the child printed as its last
-JSON line."""
+JSON line. And the median over runs that every figure of the benchmark is."""
 from __future__ import annotations
 
 import ctypes
@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -89,3 +90,8 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None, cwd: Path |
             "peak_rss_mb": round(peak / 2**20, 1),
             # CPU seconds of the waited-for tree: less distorted than wall time when other jobs share the CPU
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2), "result": result, "log": str(log)}
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None

@@ -25,6 +25,8 @@ def _meta_line(meta: dict, how: str | None = None) -> str:
 ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
 STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without thread_policy.py
 MEMORY_READ = "memory-read"  # bench/memory.py: the machine's read speed, measured in turn with the engines
+RUNNER = "executorch-llm-runner"  # engine of bench/runner.py: ExecuTorch's TextLLMRunner, its own statistics
+STEP_LOOP = "executorch-runtime step loop"  # engine of bench/decode.py's .pte engines: Lowerbench's Python loop
 
 
 def decode_table(data: dict) -> list[str]:
@@ -69,6 +71,38 @@ def decode_table(data: dict) -> list[str]:
             share = many / bound
             lines.append(f"lowerbench-pte decodes at {share:.0%} of it; it reads its weights at "
                          f"{fmt(many * weight_mb / 1000)} GB/s.")
+    return lines
+
+
+def runner_table(data: dict) -> list[str]:
+    s = data["settings"]
+    if not data.get("runs"):
+        return ["### ExecuTorch's LLM runner", *(f"Not run: {why}" for why in data.get("skipped", {}).values())]
+    lines = [f"### ExecuTorch's LLM runner against the Python step loop ({s['new_tokens']} new tokens, greedy, "
+             f"{s['threads']} threads, max context {s['max_seq_len']}, same prompt)",
+             _meta_line(data["meta"], f"median of {data['meta']['runs_requested']} runs per figure, engines in turn "
+                                      f"within each run, each in its own process"), "",
+             "| program · engine | prefill tok/s | decode tok/s | decode tok/s range | first token ms | load ms "
+             "| prompt tokens | new tokens | runs |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, row in data["engines"].items():
+        low_high = "–" if not row.get("decode_tokens_per_s_range") else "–".join(
+            fmt(x) for x in row["decode_tokens_per_s_range"])
+        early = f" ({row['runs_stopped_early']} stopped early)" if row.get("runs_stopped_early") else ""
+        lines.append(f"| {name} | {fmt(row.get('prefill_tokens_per_s'))} | {fmt(row.get('decode_tokens_per_s'))} "
+                     f"| {low_high} | {fmt(row.get('time_to_first_token_ms'), 0)} | {fmt(row.get('model_load_ms'), 0)} "
+                     f"| {row.get('prompt_tokens', '–')} | {row.get('new_tokens', '–')}{early} | {row['runs']} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | | | | 0 |")
+    if data.get("ratios"):
+        lines += ["", "| same-run ratio (median over runs of the pair measured back to back) | prefill | decode |",
+                  "|---|---|---|"]
+        lines += [f"| {r['what']} | {fmt(r['prefill_tokens_per_s'], 2)}× | {fmt(r['decode_tokens_per_s'], 2)}× |"
+                  for r in data["ratios"]]
+    lines += ["", f"{RUNNER}: rates from the runner's own Stats (prefill: prompt tokens over tokenizing + prefill; "
+                  f"decode: generated tokens after the first over the rest, both on its millisecond clock). "
+                  f"{STEP_LOOP}: bench/decode.py's timing of recipes/generate.py's loop, the figures the app showed "
+                  f"before it ran the runner. The runner's Python binding cannot ignore end of sequence; the prompt "
+                  f"(\"{s['prompt']}\") keeps both programs generating, and a run that stops early says so."]
     return lines
 
 
@@ -232,8 +266,8 @@ def scale_table(data: dict) -> list[str]:
 def write_all(results: Path) -> None:
     lines = ["# Lowerbench benchmark results", "",
              "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
-    for name, render in (("decode", decode_table), ("export", export_table), ("scaling", scaling_table),
-                         ("breakdown", breakdown_table), ("scale", scale_table)):
+    for name, render in (("decode", decode_table), ("runner", runner_table), ("export", export_table),
+                         ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table)):
         path = results / f"{name}.json"
         if not path.is_file():
             lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]

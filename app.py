@@ -324,6 +324,78 @@ def option_fields(option_defaults: dict) -> list:
     return fields
 
 
+def quant_controls() -> tuple:
+    """The Advanced tab's quantization algorithm and mixed-precision budget (recipe options, as the CLI's
+    --quant-algorithm and --mixed-precision-budget) and the per-layer error map (--layer-map)."""
+    import gradio as gr
+
+    from quant.algorithms import ALGORITHMS
+    from quant.schemes import SCHEMES, scheme_options
+
+    def schemes_taking(option: str) -> list[str]:
+        return [name for name in SCHEMES if option in scheme_options(name)]
+
+    with_algorithm, with_budget = schemes_taking("quant_algorithm"), schemes_taking("mixed_precision_budget")
+    algorithm = gr.Dropdown([(f"{name} — {what}", name) for name, what in ALGORITHMS.items()],
+                            value=scheme_options(with_algorithm[0])["quant_algorithm"],
+                            label="Quantization algorithm", elem_id="quant-algorithm",
+                            info=f"how int4 weights get their scales ({', '.join(with_algorithm)} recipes; "
+                                 "the others ignore it)")
+    budget = gr.Number(0, label="Mixed precision byte budget (0 = off)", elem_id="mixed-precision-budget",
+                       info="extra weight bytes per token as a fraction: 0.1 (+10 % bytes per token) keeps the most "
+                            f"sensitive decoder layers at 8 bits ({', '.join(with_budget)} recipes)")
+    layer_map = gr.Checkbox(False, label="Per-layer error map: each decoder layer's SQNR against fp32 (costs a "
+                                         "second export and lowering per recipe)", elem_id="layer-map")
+    return algorithm, budget, layer_map
+
+
+def quant_options(algorithm: str | None, budget: float | None) -> dict:
+    """The recipe options the quantization controls give; a recipe keeps those its scheme takes."""
+    given = {"quant_algorithm": algorithm or None, "mixed_precision_budget": None if budget is None else float(budget)}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def layer_map_line(report: dict) -> str:
+    """Which engine made a recipe's per-layer map, or why it has none."""
+    name, fidelity = report["recipe"]["name"], report.get("fidelity") or {}
+    found = fidelity.get("layers")
+    if found and "error" in found:
+        return f"- **{name}**: no map: {found['error']['message']}"
+    if found:
+        return f"- **{name}**: {found['engine']}, {found['method']} ({len(found['layers'])} layers)"
+    why = report.get("generation_note") or (fidelity.get("error") or {}).get("message") or "no fidelity was measured"
+    return f"- **{name}**: no map: {why}"
+
+
+def layer_map_panel(recipe_dirs_state, asked, finished_event) -> None:
+    """SQNR per decoder layer, one line per recipe, from each recipe's report.json once the job is done;
+    shown when the map was asked for, with the engine that made each line."""
+    import gradio as gr
+    import pandas as pd
+
+    from recipes.layer_map import sqnr_chart_rows
+    from recipes.profile_view import read_reports
+
+    with gr.Column(visible=False) as panel:
+        gr.Markdown("### Error per decoder layer against fp32")
+        chart = gr.LinePlot(x="layer", y="sqnr_db", color="recipe", label="SQNR per layer (dB)",
+                            x_title="decoder layer", y_title="SQNR (dB)", elem_id="sqnr-chart")
+        engines = gr.Markdown(elem_id="layer-map-engines")
+
+    def show(recipe_dirs, asked_for):
+        reports = read_reports(recipe_dirs)
+        maps = [(r.get("fidelity") or {}).get("layers") or {} for r in reports]
+        by = sorted({m["engine"] for m in maps if "engine" in m})
+        frame = pd.DataFrame(sqnr_chart_rows(reports), columns=["recipe", "layer", "sqnr_db"])
+        order = [str(i) for i in sorted(set(frame["layer"]))]
+        frame["layer"] = frame["layer"].astype(str)  # one tick per layer, in layer order
+        label = "SQNR per layer (dB)" + (f" · {', '.join(by)}" if by else "")
+        return (gr.Column(visible=bool(asked_for) or any(maps)), gr.LinePlot(frame, label=label, sort=order),
+                "\n".join(layer_map_line(r) for r in reports))
+
+    finished_event.then(show, [recipe_dirs_state, asked], [panel, chart, engines], api_visibility="private")
+
+
 def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_seq_len, group_size):
     """The Zoo tab: the matrix's measured table with a backend filter; choosing a model fills the model
     fields, preselects its recommended recipes and shows their measured figures (data: recipes/zoo.py)."""
@@ -391,13 +463,15 @@ def lower_page() -> dict:
     option_defaults = backend_option_defaults(grouped)
 
     def ticked(*values):
-        """The ticks at the moment Lower is pressed: the recipes (every list) and the backend options."""
-        lists, options = values[: len(grouped)], values[len(grouped):]
+        """The ticks at the moment Lower is pressed: the recipes (every list), the backend options, then the
+        quantization algorithm and budget."""
+        lists, options = values[: len(grouped)], values[len(grouped): len(grouped) + len(option_defaults)]
         return ([name for names in lists for name in names or []],
-                {key: value for (_, key), value in zip(option_defaults, options)})
+                {**{key: value for (_, key), value in zip(option_defaults, options)},
+                 **quant_options(*values[len(grouped) + len(option_defaults):])})
 
     def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
-              group_size, options, export_only=False, oauth_token: gr.OAuthToken | None = None,
+              group_size, options, export_only=False, layer_map=False, oauth_token: gr.OAuthToken | None = None,
               request: gr.Request = None, progress=gr.Progress()):
         session = request.session_hash if request is not None else None
         try:
@@ -408,7 +482,7 @@ def lower_page() -> dict:
                 token=(oauth_token.token if oauth_token else None) or (token or "").strip() or None,
                 prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
                 options={**(options or {}), **({"group_size": int(group_size)} if group_size else {})},
-                generate=not export_only,
+                generate=not export_only, layer_map=bool(layer_map),
             )
             try:
                 summary = run_job(run_request, session or job.name, lambda f, m: progress(f, desc=m))
@@ -481,8 +555,9 @@ def lower_page() -> dict:
                 export_only = gr.Checkbox(False, label="Lower only: write the .pte and its delegation report, "
                                                        "no sample generations or fidelity")
                 option_inputs = option_fields(option_defaults)
+                algorithm, budget, layer_map = quant_controls()
             # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
-            picked, picked_options = ticked(*[c.value for c in [*recipe_lists, *option_inputs]])
+            picked, picked_options = ticked(*[c.value for c in [*recipe_lists, *option_inputs, algorithm, budget]])
             recipes_box = gr.Dropdown(all_recipes, value=picked, multiselect=True, label="Recipes", visible=False)
             options_box = gr.JSON(picked_options, visible=False)
             prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
@@ -509,11 +584,12 @@ def lower_page() -> dict:
     ops_state, dirs_state = gr.State([]), gr.State({})
 
     finished = lower_btn.click(
-        ticked, [*recipe_lists, *option_inputs], [recipes_box, options_box], queue=False, api_visibility="private",
+        ticked, [*recipe_lists, *option_inputs, algorithm, budget], [recipes_box, options_box], queue=False,
+        api_visibility="private",
     ).success(
         lower,
         [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
-         group_size, options_box, export_only],
+         group_size, options_box, export_only, layer_map],
         [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
          results],
         api_name="lower", show_progress_on=[status],
@@ -525,6 +601,7 @@ def lower_page() -> dict:
                    show_progress_on=[push_status],
                    ).failure(push_failed, None, push_status, queue=False, api_visibility="private")
     with results:
+        layer_map_panel(dirs_state, layer_map, finished)
         profile_panel(dirs_state, finished)
     return {"source": source, "hub_repo": hub_repo, "recipe_lists": recipe_lists, "backend_names": list(grouped),
             "max_seq_len": max_seq_len, "group_size": group_size}

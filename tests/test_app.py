@@ -150,6 +150,18 @@ def test_bad_repo_is_an_error_and_the_app_stays_usable(app, tiny_llama_dir, repo
     assert "1 of 1 recipes finished" in status
 
 
+def test_an_algorithm_the_recipe_does_not_offer_is_refused_as_on_the_cli(app, tiny_llama_dir):
+    from gradio_client import Client
+
+    client = Client(app["url"], verbose=False)
+    before = set(app["jobs"].iterdir())
+    with pytest.raises(Exception) as info:
+        lower(client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-8da4w"], options={"quant_algorithm": "gptq"}))
+    assert re.search(r"quant algorithm 'gptq' is not offered for 8da4w \(.*CUDA only.*\); choose one of: minmax, hqq",
+                     str(info.value))
+    assert set(app["jobs"].iterdir()) == before
+
+
 def launch_browser(playwright):
     if not Path("/usr/bin/chromium").exists():
         pytest.skip("Debian chromium is not installed (bash setup.sh --test)")
@@ -226,6 +238,42 @@ def test_browser_a_ticked_core_ml_recipe_alone_runs_exactly_that_recipe(app, tin
     report = json.loads((job / "report.json").read_text())
     assert report["recipe"]["name"] == "coreml-int4" and not report["errors"]
     assert report["delegation"]["delegated_nodes"] > 0 and (job / "model.pte").is_file()
+
+
+def test_browser_an_algorithm_and_the_layer_map_reach_the_report_and_its_chart(app, tiny_llama_dir, tmp_path):
+    """hqq and the per-layer map from the Advanced controls: the report records the algorithm, and the SQNR
+    chart shows the recipe's line with the engine that measured it."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})
+        page.goto(app["url"])
+        page.get_by_label("Local path", exact=True).check()
+        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        page.get_by_text("Advanced", exact=True).click()
+        page.get_by_label("Quantization algorithm").click()
+        page.get_by_role("option", name="hqq", exact=False).click()
+        page.get_by_label("Per-layer error map").check()
+        expect(page.locator("#sqnr-chart")).to_be_hidden()
+        before = set(app["jobs"].iterdir())
+        page.get_by_role("button", name="Lower", exact=True).click()
+        expect(page.locator("#status")).to_contain_text("1 of 1 recipes finished", timeout=600_000)
+        engines = page.locator("#layer-map-engines")
+        expect(engines).to_contain_text("xnnpack-8da4w: executorch-runtime, ExecuTorch intermediate_output_tap",
+                                        timeout=60_000)
+        chart = page.locator("#sqnr-chart")
+        expect(chart).to_contain_text("SQNR per layer (dB) · executorch-runtime")
+        expect(chart).to_contain_text("xnnpack-8da4w")  # the line's legend entry
+        page.screenshot(path=str(tmp_path / "layer-map.png"), full_page=True)
+        shutil_copy(tmp_path / "layer-map.png")
+        browser.close()
+    (job,) = set(app["jobs"].iterdir()) - before
+    report = json.loads((job / "report.json").read_text())
+    assert report["recipe"]["options"]["quant_algorithm"] == "hqq" and report["quantization"]["algorithm"] == "hqq"
+    layers = report["fidelity"]["layers"]
+    assert layers["engine"] == "executorch-runtime" and len(layers["layers"]) == json.loads(
+        (tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
 
 
 @pytest.mark.builtin

@@ -336,9 +336,11 @@ def quant_controls() -> tuple:
         return [name for name in SCHEMES if option in scheme_options(name)]
 
     with_algorithm, with_budget = schemes_taking("quant_algorithm"), schemes_taking("mixed_precision_budget")
-    algorithm = gr.Dropdown([(f"{name} — {what}", name) for name, what in ALGORITHMS.items()],
-                            value=scheme_options(with_algorithm[0])["quant_algorithm"],
-                            label="Quantization algorithm", elem_id="quant-algorithm",
+    defaults = ", ".join(f"{name}: {scheme_options(name)['quant_algorithm']}" for name in with_algorithm)
+    # "" leaves each recipe its scheme's own default, as the CLI does without --quant-algorithm
+    algorithm = gr.Dropdown([(f"each scheme's default ({defaults})", ""),
+                             *((f"{name} — {what}", name) for name, what in ALGORITHMS.items())],
+                            value="", label="Quantization algorithm", elem_id="quant-algorithm",
                             info=f"how int4 weights get their scales ({', '.join(with_algorithm)} recipes; "
                                  "the others ignore it)")
     budget = gr.Number(0, label="Mixed precision byte budget (0 = off)", elem_id="mixed-precision-budget",

@@ -157,7 +157,7 @@ def test_an_algorithm_the_recipe_does_not_offer_is_refused_as_on_the_cli(app, ti
     before = set(app["jobs"].iterdir())
     with pytest.raises(Exception) as info:
         lower(client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-8da4w"], options={"quant_algorithm": "gptq"}))
-    assert re.search(r"quant algorithm 'gptq' is not offered for 8da4w \(.*CUDA only.*\); choose one of: minmax, hqq",
+    assert re.search(r"quant algorithm 'gptq' is not offered for 8da4w \(.*CUDA only.*\); choose one of: hqq, minmax",
                      str(info.value))
     assert set(app["jobs"].iterdir()) == before
 
@@ -241,8 +241,8 @@ def test_browser_a_ticked_core_ml_recipe_alone_runs_exactly_that_recipe(app, tin
 
 
 def test_browser_an_algorithm_and_the_layer_map_reach_the_report_and_its_chart(app, tiny_llama_dir, tmp_path):
-    """hqq and the per-layer map from the Advanced controls: the report records the algorithm, and the SQNR
-    chart shows the recipe's line with the engine that measured it."""
+    """minmax (not 8da4w's default) and the per-layer map from the Advanced controls: the report records the
+    algorithm, and the SQNR chart shows the recipe's line with the engine that measured it."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
@@ -253,7 +253,7 @@ def test_browser_an_algorithm_and_the_layer_map_reach_the_report_and_its_chart(a
         page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
         page.get_by_text("Advanced", exact=True).click()
         page.get_by_label("Quantization algorithm").click()
-        page.get_by_role("option", name="hqq", exact=False).click()
+        page.get_by_role("option", name=re.compile(r"^minmax — ")).click()
         page.get_by_label("Per-layer error map").check()
         expect(page.locator("#sqnr-chart")).to_be_hidden()
         before = set(app["jobs"].iterdir())
@@ -270,7 +270,8 @@ def test_browser_an_algorithm_and_the_layer_map_reach_the_report_and_its_chart(a
         browser.close()
     (job,) = set(app["jobs"].iterdir()) - before
     report = json.loads((job / "report.json").read_text())
-    assert report["recipe"]["options"]["quant_algorithm"] == "hqq" and report["quantization"]["algorithm"] == "hqq"
+    assert report["recipe"]["options"]["quant_algorithm"] == "minmax"
+    assert report["quantization"]["algorithm"] == "minmax"
     layers = report["fidelity"]["layers"]
     assert layers["engine"] == "executorch-runtime" and len(layers["layers"]) == json.loads(
         (tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]

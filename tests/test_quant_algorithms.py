@@ -120,7 +120,7 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
 def test_unavailable_algorithm_is_refused_with_the_reason():
     from quant.quantize import check_options
 
-    with pytest.raises(UserFacingError, match="gptq.*CUDA only.*choose one of: minmax, hqq, awq, spinquant"):
+    with pytest.raises(UserFacingError, match="gptq.*CUDA only.*choose one of: hqq, minmax, awq, spinquant"):
         check_options("8da4w", {"quant_algorithm": "gptq"})
     with pytest.raises(UserFacingError, match=r"8da8w has no int4 group-wise weights\); choose one of: minmax\."):
         check_options("8da8w", {"quant_algorithm": "hqq"})

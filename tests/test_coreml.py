@@ -105,23 +105,30 @@ def test_runtime_load_says_needs_macos(tiny_coreml_int8_with_acosh, tmp_path):
     assert "CoreMLBackend" in str(err.value)
 
 
-@pytest.mark.builtin
-def test_builtin_model_lowers_to_coreml(builtin_run):
+def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside(tiny_llama_dir, tmp_path):
+    """coreml-int4 through run(): every linear (7 per layer and the output layer), its dequantize and the
+    attention go into the Core ML program; off Apple OSes the column is the eager module, said so."""
+    import json
+
+    from recipes.run import RunRequest, run
+
+    layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     name = "coreml-int4"
-    out, reports, _result = builtin_run
-    report = reports[name]
+    summary = run(RunRequest(recipes=[name], out_dir=tmp_path, model=str(tiny_llama_dir), max_seq_len=32,
+                             max_new_tokens=3, prompt="what is the capital ?"))
+    report = summary["recipes"][0]
     assert report["errors"] == []
-    assert (out / name / "model.pte").stat().st_size == report["pte"]["bytes"]
+    assert (tmp_path / "model.pte").stat().st_size == report["pte"]["bytes"]
     delegation = report["delegation"]
     ops = {o["op"]: o for o in delegation["ops"]}
-    assert ops["aten_linear_default"]["delegated"] == 30 * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
+    assert ops["aten_linear_default"]["delegated"] == layers * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
     sdpa = ops["aten_scaled_dot_product_attention_default"]
-    assert sdpa["delegated"] == 30 and sdpa["non_delegated"] == 0
+    assert sdpa["delegated"] == layers and sdpa["non_delegated"] == 0
     assert {o["op"] for o in delegation["ops"] if o["non_delegated"]} <= IO_GLUE
     assert delegation["non_delegated_nodes"] <= 2
     assert delegation["edge_nodes_before_partitioning"] == delegation["delegated_nodes"]
     assert "aten.scaled_dot_product_attention.default" in delegation["preserved_ops"]["CoreMLPartitioner"]
-    assert ops["torchao_dequantize_affine_default"]["delegated"] == 30 * 7 + 1
+    assert ops["torchao_dequantize_affine_default"]["delegated"] == layers * 7 + 1
     engines = [g["engine"] for g in report["generations"]]
     if platform.system() != "Darwin":
         assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report["runtime_note"]

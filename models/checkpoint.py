@@ -1,5 +1,6 @@
 """Resolve what the user named (nothing, a Hub repo id, a local folder, a .gguf file) into a Checkpoint:
-a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache and, for the built-in model, its converted folder (models/builtin.py).
+a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache and, for the
+built-in model, its converted folder (models/builtin.py).
 
 Safetensors weights stay on disk until a tensor is asked for (SafetensorsWeights), in the checkpoint's
 own dtype: a caller that builds the model one layer at a time holds one layer, never the whole model."""

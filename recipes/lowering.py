@@ -1,8 +1,9 @@
 """The one place in Lowerbench that lowers: ExportedProgram + a backend's partitioners ->
-executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte bytes, written atomically."""
+executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte, written atomically."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import os
@@ -19,9 +20,14 @@ import torch
 
 from recipes.delegation import delegation_table
 
+class OutputWriteError(OSError):
+    """The .pte could not be written (disk full, no permission): the whole job's failure, not one recipe's."""
+
+
 @dataclass
 class LoweredProgram:
-    pte: bytes = field(repr=False)
+    # The .pte's bytes, or None when it went straight to `pte_path` (see lower_to_pte): then `pte` reads the file.
+    pte_data: bytes | None = field(repr=False)
     delegation: dict  # recipes.delegation.delegation_table of the lowered edge graph, before to_executorch
     edge_nodes_before_partitioning: int | None
     lower_s: float
@@ -30,6 +36,13 @@ class LoweredProgram:
     lower_peak_rss_mb: float | None = None
     serialize_peak_rss_mb: float | None = None
     etrecord: bytes | None = field(default=None, repr=False)  # ExecuTorch's ETRecord, when asked for
+    pte_path: Path | None = None
+    pte_bytes: int = 0
+    pte_sha256: str = ""
+
+    @property
+    def pte(self) -> bytes:
+        return self.pte_data if self.pte_data is not None else Path(self.pte_path).read_bytes()
 
 
 def op_type(node_name: str) -> str:
@@ -145,19 +158,23 @@ def lower_to_pte(
     constant_methods: dict | None = None,
     before_serialize=None,
     generate_etrecord: bool = False,
+    pte_path: Path | None = None,
 ) -> LoweredProgram:
     """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
     and to_executorch and left before this returns. constant_methods: methods that return a constant
     (recipes.llm_metadata), kept in the .pte. before_serialize: called with the lowered EdgeProgramManager
     before to_executorch (e.g. ExecuTorch's strip_taps_ for a program with intermediate-output taps).
-    generate_etrecord: also ExecuTorch's ETRecord of the program, for its devtools."""
+    generate_etrecord: also ExecuTorch's ETRecord of the program, for its devtools.
+    pte_path: write the .pte there (atomically) from ExecuTorch's pieces, never holding it as one contiguous
+    `bytes` beside them, which would cost a second copy of the program at its peak; without it the
+    LoweredProgram holds the bytes."""
     with lowering_context():
         return _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
-                      generate_etrecord)
+                      generate_etrecord, pte_path)
 
 
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
-           generate_etrecord):
+           generate_etrecord, pte_path):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from recipes import rss
@@ -194,7 +211,15 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
     executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
-    pte = executorch_program.buffer  # bytes already, cached by the manager: no further copy
+    if pte_path is None:
+        pte = executorch_program.buffer  # joins the pieces into one bytes object, cached by the manager
+        size, digest = len(pte), hashlib.sha256(pte).hexdigest()
+    else:
+        pte = None
+        try:
+            size, digest = write_atomically(pte_path, executorch_program.write_to_file)
+        except OSError as err:
+            raise OutputWriteError(err.errno, err.strerror, str(pte_path)) from err
     etrecord = None
     if generate_etrecord:
         buffer = io.BytesIO()
@@ -204,6 +229,7 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     return LoweredProgram(
         pte, delegation, sum(counter.counts.values()), lower_s, serialize_s,
         round(lower_peak, 1), round(rss.peak_bytes() / rss.MB, 1), etrecord,
+        Path(pte_path) if pte_path is not None else None, size, digest,
     )
 
 
@@ -220,14 +246,31 @@ def lower_for_backend(program: torch.export.ExportedProgram, backend, partitione
     )
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temp file beside `path`, fsync, rename: readers see the old file or the whole new one."""
+class _HashingWriter:
+    """A file that also counts and hashes what is written to it."""
+
+    def __init__(self, f):
+        self.f, self.size, self.hash = f, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+
+def write_atomically(path: Path, data: bytes | Callable) -> tuple[int, str]:
+    """Write to a temp file beside `path`, fsync, rename: readers see the old file or the whole new one.
+    `data`: the bytes, or a function that writes them to the file it is given. Returns (size, sha256)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            writer = _HashingWriter(f)
+            if callable(data):
+                data(writer)
+            else:
+                writer.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are meant to be shared
@@ -235,3 +278,4 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return writer.size, writer.hash.hexdigest()

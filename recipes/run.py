@@ -3,7 +3,6 @@
 This is the function both `python -m recipes run` and the app call."""
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import resource
@@ -28,7 +27,7 @@ from recipes import llm_runner, memory_estimate, rss
 from recipes import profile as profiling
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
-from recipes.lowering import export_program, lower_for_backend, write_atomically
+from recipes.lowering import OutputWriteError, export_program, lower_for_backend, write_atomically
 from recipes.registry import Recipe, get_recipe
 
 Progress = Callable[[float, str], None]
@@ -339,13 +338,13 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         report["llm_metadata"] = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                               _stop_ids(checkpoint))
         lowered = lower_for_backend(program, backend, partitioners, constant_methods=report["llm_metadata"],
-                                    generate_etrecord=request.etrecord)
+                                    generate_etrecord=request.etrecord, pte_path=recipe_dir / "model.pte")
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         timings[STAGE_PEAKS].update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
         del program  # the lowered program is in the .pte now; what stays is the module, for eager runs
         report["delegation"] = lowered.delegation
-    except Cancelled:
+    except (Cancelled, OutputWriteError):
         raise
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
         report["errors"].append(_error("lower" if module is not None else "prepare", err))
@@ -382,11 +381,11 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
                 report["fidelity"] = {"error": _error("fidelity", err)}
             else:
                 report["fidelity"]["layers"] = {"error": _error("layer_map", err)}
+    step = None  # the step loop's program: released before the LLM runner loads the .pte again
+    if lowered is not None and report["errors"]:
+        lowered.pte_path.unlink(missing_ok=True)  # a recipe that failed later ships no .pte
     if lowered is not None and not report["errors"]:
-        pte_path = recipe_dir / "model.pte"
-        write_atomically(pte_path, lowered.pte)
-        report["pte"] = {"path": str(pte_path), "bytes": len(lowered.pte),
-                         "sha256": hashlib.sha256(lowered.pte).hexdigest()}
+        report["pte"] = {"path": str(lowered.pte_path), "bytes": lowered.pte_bytes, "sha256": lowered.pte_sha256}
         for name, data in (shipped_tokenizer or {}).items():
             write_atomically(recipe_dir / name, data)
         if request.generate and recipe.backend.cannot_run_here() is None:
@@ -439,7 +438,7 @@ def _recipe_engine(recipe, module, lowered, report) -> tuple:
     backend = recipe.backend
     why_not = "lowering failed" if lowered is None else backend.cannot_run_here()
     if why_not is None:
-        return gen.runtime_step(gen.load_runtime_method(lowered.pte, backend.runtime_imports)), gen.ENGINE_RUNTIME
+        return gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports)), gen.ENGINE_RUNTIME
     report["runtime_note"] = why_not
     return gen.eager_step(module), backend.eager_engine
 

@@ -173,3 +173,19 @@ def test_quantizing_by_rows_gives_the_same_tensors_as_at_once(scheme):
             assert torch.equal(getattr(got, name), getattr(expected, name)), name
         x = torch.randint(0, 100, (1, 5)) if isinstance(whole, torch.nn.Embedding) else torch.randn(1, 5, 64)
         assert torch.equal(by_rows(x), whole(x))
+
+
+def test_pte_is_written_from_executorchs_pieces_and_equals_the_joined_bytes(tiny_fp32_lowered, tmp_path):
+    """With pte_path the program goes to its file piece by piece (no contiguous copy beside the pieces):
+    the file must be the very bytes of the joined program, with its size and sha256, and nothing else is left."""
+    import hashlib
+
+    from recipes.lowering import export_program, lower_for_backend
+
+    module, lowered, recipe = tiny_fp32_lowered
+    program = export_program(module, 64, strict=recipe.backend.strict_export)
+    streamed = lower_for_backend(program, recipe.backend, recipe.make_partitioners({}), pte_path=tmp_path / "model.pte")
+    data = (tmp_path / "model.pte").read_bytes()
+    assert streamed.pte_data is None and data == lowered.pte
+    assert (streamed.pte_bytes, streamed.pte_sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pte"]

@@ -351,12 +351,6 @@ def quant_controls() -> tuple:
     return algorithm, budget, layer_map
 
 
-def quant_options(algorithm: str | None, budget: float | None) -> dict:
-    """The recipe options the quantization controls give; a recipe keeps those its scheme takes."""
-    given = {"quant_algorithm": algorithm or None, "mixed_precision_budget": None if budget is None else float(budget)}
-    return {key: value for key, value in given.items() if value is not None}
-
-
 def layer_map_line(report: dict) -> str:
     """Which engine made a recipe's per-layer map, or why it has none."""
     name, fidelity = report["recipe"]["name"], report.get("fidelity") or {}
@@ -458,7 +452,7 @@ def lower_page() -> dict:
 
     from recipes.generate import DEFAULT_PROMPT
     from recipes.profile_view import profile_panel
-    from recipes.run import RunRequest, summary_rows
+    from recipes.run import RunRequest, summary_rows, user_options
 
     grouped = backends()
     all_recipes = [r.name for recipes in grouped.values() for r in recipes]
@@ -470,7 +464,7 @@ def lower_page() -> dict:
         lists, options = values[: len(grouped)], values[len(grouped): len(grouped) + len(option_defaults)]
         return ([name for names in lists for name in names or []],
                 {**{key: value for (_, key), value in zip(option_defaults, options)},
-                 **quant_options(*values[len(grouped) + len(option_defaults):])})
+                 **user_options(None, *values[len(grouped) + len(option_defaults):])})
 
     def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
               group_size, options, export_only=False, layer_map=False, oauth_token: gr.OAuthToken | None = None,
@@ -483,7 +477,7 @@ def lower_page() -> dict:
                 recipes=list(recipes or []), out_dir=job, model=model, revision=(revision or "").strip() or None,
                 token=(oauth_token.token if oauth_token else None) or (token or "").strip() or None,
                 prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
-                options={**(options or {}), **({"group_size": int(group_size)} if group_size else {})},
+                options={**(options or {}), **user_options(group_size)},
                 generate=not export_only, layer_map=bool(layer_map),
             )
             try:

@@ -79,11 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     from recipes.generate import DEFAULT_PROMPT
-    from recipes.run import RunRequest, run, summary_rows
+    from recipes.run import RunRequest, run, summary_rows, user_options
 
-    given = {"group_size": args.group_size or None, "quant_algorithm": args.quant_algorithm,
-             "mixed_precision_budget": args.mixed_precision_budget}
-    options = {key: value for key, value in given.items() if value is not None}
+    options = user_options(args.group_size, args.quant_algorithm, args.mixed_precision_budget)
     request = RunRequest(
         recipes=args.recipe, out_dir=args.out, model=args.model, revision=args.revision,
         token=os.environ.get("HF_TOKEN"), allow_pickle=args.allow_pickle,

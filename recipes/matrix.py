@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,7 +163,7 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
         tracker.started.remote(cell.key)
     from recipes.run import RunRequest, run
 
-    record = base_record(cell)
+    record = {**base_record(cell), "host": platform.node()}  # on a cluster: the node that ran the cell
     started = time.perf_counter()
     request = RunRequest(recipes=[cell.recipe], out_dir=Path(run_dir), model=model_path, options=cell.options,
                          max_seq_len=cell.max_seq_len, max_new_tokens=min(32, cell.max_seq_len // 4),
@@ -199,11 +200,25 @@ def connect(address: str | None, memory_gb: float | None) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, runtime_env={"working_dir": str(PROJECT_ROOT),
-                                               "excludes": [".git", "out", "jobs", "bench/.cache"]})
+        try:
+            ray.init(address=address, runtime_env={"working_dir": str(PROJECT_ROOT),
+                                                   "excludes": [".git", "out", "jobs", "bench/.cache"]})
+        except ConnectionError as err:
+            raise UserFacingError(connection_advice(address, err)) from err
         return
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=runtime_env(),
              **({"_memory": int(memory_gb * 1024**3)} if memory_gb else {}))
+
+
+def connection_advice(address: str, err: Exception) -> str:
+    """What to do when the cluster does not take the connection. `ray start --head` turns on Ray's token
+    authentication, which a driver only uses with RAY_AUTH_MODE=token set."""
+    chain = "".join(traceback.format_exception(err))
+    if "InvalidAuthToken" in chain or "AuthenticationError" in chain:
+        return (f"the Ray cluster at {address} asks for its token: set RAY_AUTH_MODE=token, with the token in "
+                "RAY_AUTH_TOKEN or ~/.ray/auth_token (`ray get-auth-token` on the head prints it), and run again.")
+    return (f"could not connect to the Ray cluster at {address} ({str(err).splitlines()[0]}); check the address "
+            f"with `ray status --address {address}`, or leave out --ray-address for a local cluster.")
 
 
 def largest_node() -> tuple[float, float]:

@@ -66,6 +66,14 @@ class RunRequest:
     layer_map: bool = False
 
 
+def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None) -> dict:
+    """The recipe options a user set, from the CLI's flags or the app's Advanced controls. Unset ones (None, 0,
+    "") are left out, so each recipe keeps its own defaults."""
+    given = {"group_size": int(group_size) if group_size else None, "quant_algorithm": quant_algorithm or None,
+             "mixed_precision_budget": None if mixed_precision_budget is None else float(mixed_precision_budget)}
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def versions() -> dict:
     import importlib.metadata as md
 

@@ -13,7 +13,7 @@ thread_policy.torch_threads()
 # worker, so it is computed once: the built-in model's run, and test_matrix.py's Ray cluster. The built-in
 # group goes first, being the longest single chain.
 SHARED_FIXTURE_GROUPS = {"builtin_run": "builtin", "builtin_8da4w_run": "builtin", "builtin_fp32_run": "builtin",
-                         "ray_cluster": "ray"}
+                         "ray_cluster": "ray", "ray_head": "ray"}
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -229,12 +229,16 @@ def largest_node() -> tuple[float, float]:
     return max(n.get("CPU", 0) for n in nodes), max(n.get("memory", 0) for n in nodes)
 
 
-# A job this small is dominated by Python work on one thread; a larger one lowers and runs on two.
+# An export this small is dominated by Python work on one thread; a larger one lowers on two.
 SMALL_JOB_BYTES = 2 * 1024**3
 
 
-def cell_cpus(estimate) -> int:
-    return 1 if estimate.peak_rss_bytes < SMALL_JOB_BYTES else 2
+def cell_cpus(estimate, generate: bool, node_cpus: float) -> int:
+    """A cell that times generation takes a whole node, as the runtime's thread pool does: a cell beside it
+    would share those cores and distort its tok/s."""
+    if generate:
+        return max(1, int(node_cpus))
+    return 1 if estimate.peak_rss_bytes < SMALL_JOB_BYTES else max(1, min(2, int(node_cpus)))
 
 
 def refusal(cell: Cell, estimate, node_memory: float) -> dict | None:
@@ -319,7 +323,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
                     cell.entry.config, str(folder))
             model_path = built[cell.identity]  # Ray hands the task the folder once the build finished
         run_dir = out / "runs" / cell.entry.slug / f"{cell.recipe}-{cell.key}"
-        ref = remote_cell.options(num_cpus=min(cell_cpus(estimate), node_cpus), memory=estimate.peak_rss_bytes).remote(
+        ref = remote_cell.options(num_cpus=cell_cpus(estimate, cell.generate, node_cpus), memory=estimate.peak_rss_bytes).remote(
             cell, model_path, str(run_dir), keep_pte, tracker)
         pending[ref] = cell
     computed = 0

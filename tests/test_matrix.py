@@ -84,3 +84,14 @@ def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_clus
                        generate=False, weights="random")
     [cell] = run_matrix(cells, tmp_path, log=lambda msg: None)["cells"]
     assert cell["status"] == "refused" and cell["stage"] == "memory-estimate" and "GB" in cell["reason"]
+
+
+def test_a_cell_that_times_generation_takes_the_whole_node_and_an_export_does_not():
+    from recipes.matrix import cell_cpus
+    from recipes.memory_estimate import estimate_job
+    from recipes.registry import get_recipe
+    from transformers import LlamaConfig
+
+    estimate = estimate_job(LlamaConfig(**TINY), [get_recipe("xnnpack-fp32")], 32, generate=False)
+    assert cell_cpus(estimate, generate=True, node_cpus=8) == 8
+    assert cell_cpus(estimate, generate=False, node_cpus=8) == 1

@@ -90,8 +90,11 @@ def versions() -> dict:
     return found
 
 
-def peak_rss_mb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+def peak_rss_mb(stage_peaks: dict) -> float:
+    """The job's peak: its stages' (Linux resets the high-water mark for each, which ru_maxrss then misses)
+    or the lifetime peak, whichever is higher."""
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return round(max([lifetime, *(v for v in stage_peaks.values() if v is not None)]), 1)
 
 
 STAGE_PEAKS = "peak_rss_mb_by_stage"  # in timings while the job runs; the report's memory section after
@@ -407,7 +410,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
                                            lambda step: _generate(step, gen.ENGINE_RUNTIME, checkpoint, request),
                                            enabled=request.profile))
     stages.end(started, timings, "profile")
-    timings["peak_rss_mb"] = peak_rss_mb()
+    timings["peak_rss_mb"] = peak_rss_mb(timings[STAGE_PEAKS])
     report["memory"] = {"peak_rss_mb_by_stage": timings.pop(STAGE_PEAKS), "peak_rss_mb": timings["peak_rss_mb"],
                         "estimate": estimate.to_dict() if estimate is not None else None}
     write_atomically(recipe_dir / "report.json", json.dumps(report, indent=2).encode())

@@ -99,7 +99,7 @@ def read_results(path: Path = ZOO_DIR / "results.json") -> list[dict]:
 
 
 TABLE_COLUMNS = ("model", "recipe", "backend", "status", "delegated %", ".pte MB", "export s", "peak RSS MB",
-                 "decode tok/s", "ppl ratio", "weights", "reason")
+                 "decode tok/s", "engine", "ppl ratio", "weights", "reason")
 
 
 def cell_figures(cell: dict) -> dict:
@@ -108,6 +108,7 @@ def cell_figures(cell: dict) -> dict:
         "model": cell["model"], "recipe": cell["recipe"], "backend": cell["backend"], "status": cell["status"],
         "delegated %": cell.get("delegated_percent"), ".pte MB": cell.get("pte_mb"), "export s": cell.get("export_s"),
         "peak RSS MB": cell.get("peak_rss_mb"), "decode tok/s": cell.get("decode_tokens_per_s"),
+        "engine": "export only" if cell.get("export_only") else cell.get("engine"),
         "ppl ratio": cell.get("perplexity_ratio") if cell.get("perplexity_ratio") is not None else cell.get("fidelity"),
         "weights": cell.get("weights"), "reason": cell.get("reason"),
     }

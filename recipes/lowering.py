@@ -206,6 +206,7 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     del lowered_gm
     if before_serialize is not None:
         before_serialize(edge)
+    rss.return_freed_memory()
     rss.mark()
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized

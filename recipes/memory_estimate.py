@@ -4,7 +4,7 @@ downloaded; and the refusal of a job that cannot fit.
 A job's stages run one after another in one process, so its peak is the largest stage's. Each stage holds
 what the job keeps (the quantized modules of earlier recipes, the reference logits) plus its own working
 set, which the constants below give as ratios to the bytes it works on, measured stage by stage
-(recipes/rss.py; bench/results/scale.json, phase `scale`). A backend's lowering differs most, so its ratio
+(recipes/rss.py; the peaks in zoo/results.json, measured by `python -m recipes matrix`). A backend's lowering differs most, so its ratio
 is the backend's own `lowering_memory_ratio` (recipes/<backend>.py)."""
 from __future__ import annotations
 
@@ -27,12 +27,14 @@ BASE_BYTES = 0.45 * GB
 QUANTIZE_TRANSIENT = 1.5
 # export: torch.export's copies, over the quantized module;
 EXPORT_RATIO = 0.15
-# serialization: the flatbuffer pieces and the contiguous .pte, over the .pte;
-SERIALIZE_RATIO = 3.1
+# serialization: the program's flatbuffer pieces, written to the file one by one, over the .pte;
+SERIALIZE_RATIO = 2.1
 # generation on the runtime: the program loaded from the .pte's bytes, over the .pte.
 RUNTIME_RATIO = 1.0
-# Tokens of the fidelity text per character (quant/eval_text.txt; Llama-family tokenizers make about 0.25).
+# Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25).
 EVAL_TOKENS_PER_CHAR = 0.3
+# scoring a text: its log-softmax, the reference's and their difference, over the text's logits.
+SCORING_RATIO = 3.0
 PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
 
 
@@ -94,10 +96,11 @@ def checkpoint_dtype(config) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name).replace("torch.", ""), torch.float32)
 
 
-def _eval_tokens() -> int:
-    from recipes.fidelity import EVAL_TEXT
+def _eval_tokens() -> list[int]:
+    """Tokens of each fidelity text (the evaluation text and the held-out one)."""
+    from recipes.fidelity import EVAL_TEXT, HELDOUT_TEXT
 
-    return int(len(Path(EVAL_TEXT).read_text()) * EVAL_TOKENS_PER_CHAR)
+    return [int(len(Path(text).read_text()) * EVAL_TOKENS_PER_CHAR) for text in (EVAL_TEXT, HELDOUT_TEXT)]
 
 
 def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
@@ -134,7 +137,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     window_logits = min(max_seq_len, 4096) * vocab * 4 * PREFILL_LOGITS
     if reference_dtype is not None:
         ref_bytes = torch.finfo(reference_dtype).bits // 8
-        eval_logits = _eval_tokens() * vocab * 4
+        eval_logits = sum(_eval_tokens()) * vocab * 4
         ref_weights = (w.linears + w.embedding + (0 if w.tied else w.output)) * ref_bytes
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
                                + window_logits + 2 * eval_logits)
@@ -160,7 +163,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None
             run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
-            run["fidelity"] = run["generate"] + _eval_tokens() * vocab * 4
+            run["fidelity"] = run["generate"] + (sum(_eval_tokens()) + SCORING_RATIO * max(_eval_tokens())) * vocab * 4
         key = (recipe.quantization, recipe.export_options(max_seq_len))
         if scheme.quantize_exported is None and key not in shared:
             shared.add(key)

@@ -134,6 +134,7 @@ class _Stages:
             raise Cancelled("the job was cancelled; nothing was written for unfinished recipes.")
         if self.progress:
             self.progress(min(self.done / self.total, 0.99), message)
+        rss.return_freed_memory()
         rss.mark()
         return time.perf_counter()
 

@@ -4,8 +4,8 @@ downloaded; and the refusal of a job that cannot fit.
 A job's stages run one after another in one process, so its peak is the largest stage's. Each stage holds
 what the job keeps (the quantized modules of earlier recipes, the reference logits) plus its own working
 set, which the constants below give as ratios to the bytes it works on, measured stage by stage
-(recipes/rss.py; the peaks in zoo/results.json, measured by `python -m recipes matrix`). A backend's lowering differs most, so its ratio
-is the backend's own `lowering_memory_ratio` (recipes/<backend>.py)."""
+(recipes/rss.py; the peaks in zoo/results.json, measured by `python -m recipes matrix`). A backend's
+lowering differs most, so its ratio is the backend's own `lowering_memory_ratio` (recipes/<backend>.py)."""
 from __future__ import annotations
 
 import os

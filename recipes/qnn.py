@@ -353,6 +353,11 @@ def cannot_run_on_this_host() -> str:
     return "a QNN .pte runs only on a Qualcomm (Snapdragon) device with the QNN runtime, not on this x86_64 host"
 
 
+# Bytes per weight in the context binary (linears with the 8-bit output layer, embedding): the embedding
+# stays outside HTP in fp16 (recipes/memory_estimate.py).
+_PTE_BYTES_4BIT = (0.7, 2.0)
+_PTE_BYTES_8BIT = (1.0, 2.0)
+
 BACKEND = Backend(
     name="qnn",
     title="Qualcomm QNN",
@@ -373,13 +378,16 @@ BACKEND = Backend(
     describe_options=describe_qnn_options,
     pt2e_quantizer=qnn_quantizer,
     pt2e_program_passes=qnn_program_passes,
+    # The QNN compile holds its graph, the float weights and their encodings at once: many times the .pte.
+    lowering_memory_ratio=21.0,
 )
 
 RECIPES = (
     recipe(BACKEND, "16a4w", "Qualcomm HTP, 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer "
-                             "(PT2E, calibrated; linears lowered as 1x1 conv2d)", options={"soc": DEFAULT_SOC}),
+                             "(PT2E, calibrated; linears lowered as 1x1 conv2d)", options={"soc": DEFAULT_SOC},
+           pte_bytes=_PTE_BYTES_4BIT),
     recipe(BACKEND, "16a8w", "Qualcomm HTP, 16-bit activations, 8-bit per-channel weights (PT2E, calibrated)",
-           options={"soc": DEFAULT_SOC}),
+           options={"soc": DEFAULT_SOC}, pte_bytes=_PTE_BYTES_8BIT),
     recipe(BACKEND, "8a8w", "Qualcomm HTP, 8-bit activations, 8-bit per-channel weights (PT2E, calibrated)",
-           options={"soc": DEFAULT_SOC}),
+           options={"soc": DEFAULT_SOC}, pte_bytes=_PTE_BYTES_8BIT),
 )

@@ -57,7 +57,7 @@ BACKEND = Backend(
     # one slice and the causal mask built by comparison.
     attention="sdpa-slice",
     # coremltools' MIL program, its fp16 copy of the weights and the .mlpackage
-    lowering_memory_ratio=9.0,
+    lowering_memory_ratio=13.5,
 )
 
 

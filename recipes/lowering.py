@@ -20,6 +20,7 @@ import torch
 
 from recipes.delegation import delegation_table
 
+
 class OutputWriteError(OSError):
     """The .pte could not be written (disk full, no permission): the whole job's failure, not one recipe's."""
 

@@ -29,7 +29,7 @@ QUANTIZE_TRANSIENT = 1.5
 EXPORT_RATIO = 0.15
 # serialization: the program's flatbuffer pieces, written to the file one by one, over the .pte;
 SERIALIZE_RATIO = 2.1
-# generation on the runtime: the program loaded from the .pte's bytes, over the .pte.
+# generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
 # Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25).
 EVAL_TOKENS_PER_CHAR = 0.3
@@ -135,9 +135,10 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     stages = {"load": BASE_BYTES}
     kept = 0.0  # what the job holds from one stage to the next
     window_logits = min(max_seq_len, 4096) * vocab * 4 * PREFILL_LOGITS
+    text_tokens = _eval_tokens() if reference_dtype is not None else []
     if reference_dtype is not None:
         ref_bytes = torch.finfo(reference_dtype).bits // 8
-        eval_logits = sum(_eval_tokens()) * vocab * 4
+        eval_logits = sum(text_tokens) * vocab * 4
         ref_weights = (w.linears + w.embedding + (0 if w.tied else w.output)) * ref_bytes
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
                                + window_logits + 2 * eval_logits)
@@ -163,7 +164,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None
             run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
-            run["fidelity"] = run["generate"] + (sum(_eval_tokens()) + SCORING_RATIO * max(_eval_tokens())) * vocab * 4
+            run["fidelity"] = run["generate"] + (sum(text_tokens) + SCORING_RATIO * max(text_tokens)) * vocab * 4
         key = (recipe.quantization, recipe.export_options(max_seq_len))
         if scheme.quantize_exported is None and key not in shared:
             shared.add(key)

@@ -6,7 +6,7 @@ lifetime peak (ru_maxrss), which is still an upper bound of every stage's peak."
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import re
 import resource
 import sys
@@ -50,11 +50,18 @@ def peak_bytes() -> int:
     return kb * 1024 if kb is not None else lifetime_peak_bytes()
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim from the C library already loaded in this process, or None (not glibc)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def return_freed_memory() -> None:
     """glibc keeps freed small blocks in its heap, where they still count as resident; malloc_trim hands them
     back, so the next stage starts from what the job holds (a no-op elsewhere)."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

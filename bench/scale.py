@@ -94,14 +94,21 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 progress(f"scale {shape} optimum run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB")
         if optimum_why_not is not None:
             skipped[f"{shape} optimum"] = optimum_why_not
-        pte = next(iter(sorted((tmp / "scale" / shape).glob(f"lowerbench-{RECIPE}*-0/model.pte"))), None)
-        if pte is not None:
-            cmd = [py, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), "--hf", str(folder),
-                   "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-            record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-decode.log", cwd=root)
-            record.update(shape=shape, engine="lowerbench-pte")
-            decode.append(record)
-            progress(f"scale {shape} decode: {(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
+        programs = {"lowerbench-pte": next(iter(sorted((tmp / "scale" / shape).glob(
+            f"lowerbench-{RECIPE}*-0/model.pte"))), None),
+            "optimum-pte": next(iter(sorted((tmp / "scale" / shape / "optimum-0").glob("*.pte"))), None)}
+        programs = {engine: pte for engine, pte in programs.items() if pte is not None}
+        # Both programs on the same runtime loop, taking turns in every run (A B A B), so a busy spell of the
+        # machine falls on both sides of each ratio.
+        for i in range(args.runs):
+            for engine, pte in programs.items():
+                cmd = [py, "-m", "bench.decode", engine, "--pte", str(pte), "--hf", str(folder),
+                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+                record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{engine}-decode-{i}.log", cwd=root)
+                record.update(shape=shape, engine=engine, run=i)
+                decode.append(record)
+                progress(f"scale {shape} {engine} decode run {i}: "
+                         f"{(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
     return {"runs": runs, "decode": decode, "skipped": skipped,
             "settings": {"max_seq_len": 512, "recipes": recipes, "full_job": args.scale_full,
                          "checkpoints": "random bf16 safetensors with the published configs (bench/scale_models.py); "
@@ -132,8 +139,54 @@ def summarize_scale(data: dict) -> dict:
                            "max_seq_len": 512, "config": mine[0].get("config") or None,
                            "peak_rss_mb": row["peak_rss_mb"], "estimate_at_run_gb": mine[0]["estimate_gb"],
                            "reference_dtype": estimate.get("reference_dtype")})
-    decode = [{"shape": r["shape"], "engine": r["engine"], **{k: (r["result"] or {}).get(k) for k in
-               ("prompt_tokens", "new_tokens", "prefill_tokens_per_s", "decode_tokens_per_s")}}
-              for r in data.get("decode", [])]
-    return {"shapes": rows, "decode_summary": decode, "estimate_checks": checks}
+    decode = []
+    for shape, engine in dict.fromkeys((r["shape"], r["engine"]) for r in data.get("decode", [])):
+        results = [r["result"] for r in data["decode"] if (r["shape"], r["engine"]) == (shape, engine)
+                   and r["returncode"] == 0 and r["result"]]
+        decode.append({"shape": shape, "engine": engine, "runs": len(results),
+                       **({"prompt_tokens": results[0]["prompt_tokens"], "new_tokens": results[0]["new_tokens"]}
+                          if results else {}),
+                       **{key: median_of(results, key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}})
+    return {"shapes": rows, "decode_summary": decode, "estimate_checks": checks,
+            "ratios": scale_ratios(data)}
 
+
+def median_of(results: list[dict], key: str) -> float | None:
+    from statistics import median
+
+    values = [r[key] for r in results if r.get(key) is not None]
+    return round(median(values), 2) if values else None
+
+
+def paired(records: list[dict], a: str, b: str, value) -> float | None:
+    """Median over run indices of value(a) ÷ value(b), each pair measured back to back in the same run."""
+    from statistics import median
+
+    by_run: dict[int, dict[str, float]] = {}
+    for r in records:
+        v = value(r)
+        if v:
+            by_run.setdefault(r.get("run", 0), {})[r["_side"]] = v
+    pairs = [v[a] / v[b] for v in by_run.values() if a in v and b in v]
+    return round(median(pairs), 3) if pairs else None
+
+
+def scale_ratios(data: dict) -> list[dict]:
+    """Per shape, Lowerbench's export-only xnnpack-8da4w ÷ optimum-cli's: wall time, peak RSS and .pte size;
+    and its .pte's prefill/decode ÷ optimum's on the same runtime loop."""
+    ratios = []
+    for shape in dict.fromkeys(r["shape"] for r in data["runs"]):
+        exports = [{**r, "_side": "optimum" if r["peer"] == "optimum" else "lowerbench"} for r in data["runs"]
+                   if r["shape"] == shape and r["returncode"] == 0
+                   and r["peer"] in ("optimum", f"lowerbench {RECIPE}")]
+        runs = [{**r, "_side": r["engine"]} for r in data.get("decode", [])
+                if r["shape"] == shape and r["returncode"] == 0 and r["result"]]
+        row = {"shape": shape, "lowerbench_over_optimum": {
+            "export_wall": paired(exports, "lowerbench", "optimum", lambda r: r["wall_s"]),
+            "peak_rss": paired(exports, "lowerbench", "optimum", lambda r: r["peak_rss_mb"]),
+            "pte_bytes": paired(exports, "lowerbench", "optimum", lambda r: r.get("pte_bytes")),
+            **{key: paired(runs, "lowerbench-pte", "optimum-pte", lambda r, key=key: r["result"].get(key))
+               for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}}}
+        if any(v is not None for v in row["lowerbench_over_optimum"].values()):
+            ratios.append(row)
+    return ratios

@@ -1,0 +1,43 @@
+"""bench/scale.py's summary of the scale phase: Lowerbench ÷ optimum-cli per shape, paired within a run."""
+from bench.scale import summarize_scale
+from bench.table import scale_table
+
+PEER = "lowerbench xnnpack-8da4w"
+
+
+def _export(shape, peer, run, wall, peak, pte=1000, returncode=0):
+    return {"shape": shape, "peer": peer, "run": run, "wall_s": wall, "peak_rss_mb": peak, "pte_bytes": pte,
+            "returncode": returncode}
+
+
+def _decode(shape, engine, run, prefill, decode):
+    return {"shape": shape, "engine": engine, "run": run, "returncode": 0,
+            "result": {"prompt_tokens": 40, "new_tokens": 64, "prefill_tokens_per_s": prefill,
+                       "decode_tokens_per_s": decode}}
+
+
+def _data():
+    # run 1 is slow on both sides: the paired ratio stays 0.5 where a ratio of medians would not
+    runs = [_export("1b", PEER, 0, 100, 4000), _export("1b", "optimum", 0, 200, 8000, pte=1250),
+            _export("1b", PEER, 1, 400, 4000), _export("1b", "optimum", 1, 800, 8000, pte=1250),
+            _export("3b", PEER, 0, 300, 9000), _export("3b", "optimum", 0, 0, 0, returncode=-9)]
+    decode = [_decode("1b", "lowerbench-pte", 0, 100, 20), _decode("1b", "optimum-pte", 0, 125, 20),
+              _decode("1b", "lowerbench-pte", 1, 50, 10), _decode("1b", "optimum-pte", 1, 60, 11)]
+    return {"meta": {"date": "d", "machine": {"cpu": "c", "cores": 2, "ram_gb": 24}, "runs_requested": 2, "load_average_before": [1],
+                     "load_average_after": [1], "note": ""}, "runs": runs, "decode": decode, "skipped": {}}
+
+
+def test_ratios_pair_the_runs_and_leave_out_a_shape_whose_peer_failed():
+    ratios = summarize_scale(_data())["ratios"]
+    assert [r["shape"] for r in ratios] == ["1b"]
+    q = ratios[0]["lowerbench_over_optimum"]
+    assert (q["export_wall"], q["peak_rss"], q["pte_bytes"]) == (0.5, 0.5, 0.8)
+    assert q["decode_tokens_per_s"] == round((1.0 + 10 / 11) / 2, 3)
+
+
+def test_table_names_the_engine_and_shows_the_ratios():
+    data = _data()
+    data.update(summarize_scale(data))
+    text = "\n".join(scale_table(data))
+    assert "| 1b | lowerbench-pte (executorch-runtime) | 40 |" in text
+    assert "| 1b | 0.50× | 0.50× | 0.80× |" in text

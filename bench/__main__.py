@@ -432,6 +432,19 @@ PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase
           "breakdown": (phase_breakdown, summarize_breakdown, "variant")}
 
 
+def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
+    """The scale phase fills in shape by shape: runs of the shapes this invocation did not measure stay."""
+    measured = set(result["settings"]["shapes"])
+    kept = {key: [r for r in old.get(key, []) if r["shape"] not in measured] for key in ("runs", "decode")}
+    if kept["runs"] or kept["decode"]:
+        result["runs"] = kept["runs"] + result["runs"]
+        result["decode"] = kept["decode"] + result["decode"]
+        result["skipped"] = {**{k: v for k, v in old.get("skipped", {}).items() if k.split()[0] not in measured},
+                             **result["skipped"]}
+        result["settings"]["shapes"] = list(dict.fromkeys([r["shape"] for r in result["runs"]] + list(measured)))
+        meta["earlier_meta"] = old["meta"]
+
+
 def save_phase(name: str, meta: dict, result: dict) -> None:
     """With --peers, runs of the other peers already in <phase>.json are kept, so a phase can be filled
     in piece by piece (each run record keeps its own time and load average)."""
@@ -445,6 +458,8 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
         for peer in {str(r[key]) for r in result["runs"]}:
             result["skipped"].pop(peer, None)
         meta["earlier_meta"] = old["meta"]
+    if name == "scale" and not meta["peers"] and path.is_file():
+        keep_other_shapes(json.loads(path.read_text()), meta, result)
     data = {"meta": meta, **result}
     data.update(summarize(data))
     path.write_text(json.dumps(data, indent=2))

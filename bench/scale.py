@@ -110,7 +110,7 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 progress(f"scale {shape} {engine} decode run {i}: "
                          f"{(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
     return {"runs": runs, "decode": decode, "skipped": skipped,
-            "settings": {"max_seq_len": 512, "recipes": recipes, "full_job": args.scale_full,
+            "settings": {"max_seq_len": 512, "shapes": shapes, "recipes": recipes, "full_job": args.scale_full,
                          "checkpoints": "random bf16 safetensors with the published configs (bench/scale_models.py); "
                                         "smollm2-135m: the built-in model as an fp32 folder"}}
 
@@ -124,7 +124,7 @@ def summarize_scale(data: dict) -> dict:
         if not mine:
             rows.append({"shape": key[0], "peer": key[1], "runs": 0})
             continue
-        row = {"shape": key[0], "peer": key[1], "runs": len(mine),
+        row = {"shape": key[0], "peer": key[1], "runs": len(mine), "params": params_of(data, key[0]),
                "wall_s": round(median(r["wall_s"] for r in mine), 1),
                "peak_rss_mb": round(median(r["peak_rss_mb"] for r in mine), 1),
                "pte_mb": round(mine[0]["pte_bytes"] / 1e6, 1) if mine[0].get("pte_bytes") else None}
@@ -149,6 +149,13 @@ def summarize_scale(data: dict) -> dict:
                        **{key: median_of(results, key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}})
     return {"shapes": rows, "decode_summary": decode, "estimate_checks": checks,
             "ratios": scale_ratios(data)}
+
+
+def params_of(data: dict, shape: str) -> int | None:
+    from bench.scale_models import parameter_count
+
+    config = next((r["config"] for r in data["runs"] if r["shape"] == shape and r.get("config")), None)
+    return parameter_count(config) if config else None
 
 
 def median_of(results: list[dict], key: str) -> float | None:

@@ -71,6 +71,12 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def parameter_count(config: dict) -> int:
+    from math import prod
+
+    return sum(prod(shape) for shape in tensor_shapes(config).values())
+
+
 def write_tokenizer(config: dict, dest: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -192,6 +192,37 @@ def scaling_plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def scale_plot(data: dict, path: Path) -> None:
+    """Peak RSS, export wall time and .pte size against parameter count, one line per peer: cost that grows
+    linearly with the model is a straight line through the shapes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.scale import params_of
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for peer in dict.fromkeys(r["peer"] for r in data["shapes"]):
+        rows = [{**r, "params": params_of(data, r["shape"])} for r in data["shapes"] if r["peer"] == peer and r["runs"]]
+        rows = sorted((r for r in rows if r["params"]), key=lambda r: r["params"])
+        if not rows:
+            continue
+        x = [r["params"] / 1e9 for r in rows]
+        for ax, key, scale in zip(axes, ("peak_rss_mb", "wall_s", "pte_mb"), (1e-3, 1, 1)):
+            ax.plot(x, [(r.get(key) or 0) * scale for r in rows], marker="o", label=peer)
+    for ax, label in zip(axes, ("peak RSS GB", "export wall s", ".pte MB")):
+        ax.set_xlabel("parameters (billions)")
+        ax.set_ylabel(label)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Export cost vs model size ({data['meta']['date'][:10]}, {data['meta']['machine']['cpu']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def breakdown_table(data: dict) -> list[str]:
     s = data["settings"]
     lines = [f"### Where a decode step goes (xnnpack-8da4w with one part taken out; {s['new_tokens']} new tokens, "
@@ -288,6 +319,9 @@ def write_all(results: Path) -> None:
         lines += render(data) + [""]
         if name == "scaling" and data["layers"]:
             scaling_plot(data, results / "scaling.png")
+        if name == "scale" and data["shapes"]:
+            scale_plot(data, results / "scale.png")
+            lines += ["![export cost vs model size](scale.png)", ""]
     (results / "README.md").write_text("\n".join(lines))
 
 

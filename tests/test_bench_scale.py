@@ -41,3 +41,16 @@ def test_table_names_the_engine_and_shows_the_ratios():
     text = "\n".join(scale_table(data))
     assert "| 1b | lowerbench-pte (executorch-runtime) | 40 |" in text
     assert "| 1b | 0.50× | 0.50× | 0.80× |" in text
+
+
+def test_a_later_invocation_keeps_the_shapes_it_did_not_measure():
+    from bench.__main__ import keep_other_shapes
+
+    old = {**_data(), "skipped": {"3b optimum": "no venv", "1b optimum": "no venv"}}
+    new = {"runs": [_export("3b", PEER, 0, 310, 9100)], "decode": [], "skipped": {},
+           "settings": {"shapes": ["3b"]}}
+    meta = {"date": "later"}
+    keep_other_shapes(old, meta, new)
+    assert [r["shape"] for r in new["runs"]] == ["1b"] * 4 + ["3b"]
+    assert len(new["decode"]) == 4 and new["skipped"] == {"1b optimum": "no venv"}
+    assert meta["earlier_meta"]["date"] == "d"

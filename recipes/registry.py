@@ -72,6 +72,8 @@ class Recipe:
     # Bytes per weight (linears, embedding) of the .pte where the backend stores weights otherwise than the
     # scheme says (recipes/memory_estimate.py).
     pte_bytes: tuple[float, float] | None = None
+    # Where this recipe's lowering differs from the backend's `lowering_memory_ratio` (same units).
+    lowering_memory_ratio: float | None = None
 
     def export_options(self, max_seq_len: int) -> ExportOptions:
         backend = self.backend

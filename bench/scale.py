@@ -92,8 +92,8 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 record.update(shape=shape, peer="optimum", run=i, pte_bytes=pte.stat().st_size if pte else None)
                 runs.append(record)
                 progress(f"scale {shape} optimum run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB")
-        if optimum_why_not is not None:
-            skipped[f"{shape} optimum"] = optimum_why_not
+        if optimum_why_not is not None or "optimum" in args.skip:
+            skipped[f"{shape} optimum"] = optimum_why_not or "skipped with --skip"
         programs = {"lowerbench-pte": next(iter(sorted((tmp / "scale" / shape).glob(
             f"lowerbench-{RECIPE}*-0/model.pte"))), None),
             "optimum-pte": next(iter(sorted((tmp / "scale" / shape / "optimum-0").glob("*.pte"))), None)}

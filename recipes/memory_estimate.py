@@ -158,7 +158,8 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         run = {
             "quantize": quantize,
             "export": before + module * (1 + EXPORT_RATIO),
-            "lower": before + module + pte * (recipe.lowering_memory_ratio or recipe.backend.lowering_memory_ratio),
+            "lower": (before + module + recipe.backend.lowering_memory_base_bytes
+                      + pte * (recipe.lowering_memory_ratio or recipe.backend.lowering_memory_ratio)),
             "serialize": before + module + pte * SERIALIZE_RATIO,
         }
         if reference_dtype is not None:

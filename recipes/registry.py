@@ -54,9 +54,11 @@ class Backend:
     # quantized program gets before lowering (ExportedProgram, scheme) -> ExportedProgram.
     pt2e_quantizer: Callable | None = None
     pt2e_program_passes: Callable | None = None
-    # For recipes/memory_estimate.py: the peak RSS its lowering adds per byte of the .pte it makes, and the
-    # peak of a PT2E quantization (observers, converted copy) per byte of the float module.
+    # For recipes/memory_estimate.py: the peak RSS its lowering adds per byte of the .pte it makes, over a
+    # base its converter takes whatever the model's size, and the peak of a PT2E quantization (observers,
+    # converted copy) per byte of the float module.
     lowering_memory_ratio: float = 2.0
+    lowering_memory_base_bytes: float = 0.0
     pt2e_memory_ratio: float = 3.0
 
 

@@ -138,10 +138,11 @@ def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit()
 
 def test_estimate_is_within_a_quarter_of_the_peaks_the_zoo_measured():
     """zoo/results.json: whole jobs' peak RSS as `python -m recipes matrix` measured them on the built-in 135M
-    model and Llama-3.2-1B's shape; the estimate is made here from the zoo entry's config alone."""
+    model and the 360M and Llama-3.2-1B shapes; the estimate is made here from the zoo entry's config alone."""
     from recipes.zoo import find_entry
 
-    shapes = {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"}
+    shapes = {"HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
+              "meta-llama/Llama-3.2-1B-Instruct"}
     cells = [c for c in json.loads(ZOO_RESULTS.read_text())["cells"]
              if c["status"] == "ok" and c["peak_rss_mb"] and c["model"] in shapes]
     assert {c["model"] for c in cells} == shapes

@@ -244,12 +244,12 @@ def cell_cpus(estimate, generate: bool, node_cpus: float) -> int:
 def refusal(cell: Cell, estimate, node_memory: float) -> dict | None:
     if estimate.peak_rss_bytes <= node_memory:
         return None
-    gb = 1024**3
+    gib = 1024**3  # Ray counts memory in bytes; --memory-gb gives GiB, as Ray's own CLI does
     return {**base_record(cell), "status": "refused", "stage": "memory-estimate",
-            "reason": (f"needs ~{estimate.peak_rss_bytes / gb:.1f} GB (the estimated peak, at {estimate.peak_stage}); the largest node offers "
-                       f"{node_memory / gb:.1f} GB to a task: run it on a node with more memory (--ray-address)"
-                       ),
-            "estimate_gb": round(estimate.peak_rss_bytes / gb, 2)}
+            "reason": (f"needs ~{estimate.peak_rss_bytes / gib:.1f} GiB (the estimated peak, at {estimate.peak_stage}); the "
+                       f"largest node offers {node_memory / gib:.1f} GiB to a task: run it on a node with more memory "
+                       "(--ray-address)"),
+            "estimate_gib": round(estimate.peak_rss_bytes / gib, 2)}
 
 
 def oom_record(cell: Cell, err: Exception) -> dict:
@@ -391,5 +391,5 @@ def add_parser(sub) -> None:
     matrix.add_argument("--max-seq-len", type=int, default=512, help="max context (capped at each model's limit)")
     matrix.add_argument("--weights", choices=("auto", "hub", "random"), default="auto",
                         help="auto: built-in GGUF for the built-in model, the Hub when it answers, else random")
-    matrix.add_argument("--memory-gb", type=float, default=None, help="memory the local cluster gives its tasks")
+    matrix.add_argument("--memory-gb", type=float, default=None, help="memory (GiB) the local cluster gives its tasks")
     matrix.add_argument("--keep-pte", action="store_true", help="keep each cell's model.pte (default: measured, dropped)")

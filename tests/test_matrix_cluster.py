@@ -75,7 +75,7 @@ def test_matrix_runs_on_the_cluster_given_by_ray_address_and_sizes_cells_by_its_
     # Only the given cluster offers 3 GiB to a task: a local one would offer this machine's memory.
     refused = cells["test/wide"]
     assert refused["status"] == "refused" and refused["stage"] == "memory-estimate"
-    assert f"offers {HEAD_MEMORY / 1024**3:.1f} GB" in refused["reason"] and "--ray-address" in refused["reason"]
+    assert f"offers {HEAD_MEMORY / 1024**3:.1f} GiB" in refused["reason"] and "--ray-address" in refused["reason"]
 
 
 def test_matrix_without_the_clusters_token_says_how_to_give_it(ray_head, tmp_path):

@@ -136,16 +136,13 @@ def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit()
     assert tight.stages["reference"] < roomy.stages["reference"]
 
 
-def test_estimate_is_within_a_quarter_of_the_peaks_the_zoo_measured():
-    """zoo/results.json: whole jobs' peak RSS as `python -m recipes matrix` measured them on the built-in 135M
-    model and the 360M and Llama-3.2-1B shapes; the estimate is made here from the zoo entry's config alone."""
+def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
+    """zoo/results.json: whole jobs' and export-only peak RSS as `python -m recipes matrix` measured them, from
+    the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""
     from recipes.zoo import find_entry
 
-    shapes = {"HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
-              "meta-llama/Llama-3.2-1B-Instruct"}
-    cells = [c for c in json.loads(ZOO_RESULTS.read_text())["cells"]
-             if c["status"] == "ok" and c["peak_rss_mb"] and c["model"] in shapes]
-    assert {c["model"] for c in cells} == shapes
+    cells = [c for c in json.loads(ZOO_RESULTS.read_text())["cells"] if c["status"] == "ok" and c["peak_rss_mb"]]
+    assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c["model"] for c in cells}
     for cell in cells:
         estimate = estimate_job(find_entry(cell["model"]).llama_config(), [get_recipe(cell["recipe"])],
                                 cell["max_seq_len"], not cell["export_only"], budget_bytes=10**12)

@@ -119,12 +119,18 @@ def table_rows(cells: list[dict], backend: str | None = None) -> list[dict]:
     return [cell_figures(c) for c in cells if backend in (None, "all", c["backend"])]
 
 
+def preferred_cell(cells: list[dict]) -> dict:
+    """Of the cells of one model × recipe, a finished full job's first (it has decode and fidelity figures),
+    then a finished export-only one."""
+    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only")))
+
+
 def recommended_for(entry: ZooEntry, cells: list[dict]) -> list[dict]:
     """Each recommended recipe of a model with what the matrix measured for it (if anything)."""
     rows = []
     for backend, rec in entry.recommended.items():
         measured = [c for c in cells if c["model"] == entry.repo_id and c["recipe"] == rec["recipe"]]
-        figures = cell_figures(measured[-1]) if measured else {"status": "not measured"}
+        figures = cell_figures(preferred_cell(measured)) if measured else {"status": "not measured"}
         rows.append({"backend": backend, "recipe": rec["recipe"], "max context": rec["max_seq_len"],
                      "options": ", ".join(f"{k}={v}" for k, v in rec.get("options", {}).items()), "why": rec["why"],
                      **{k: v for k, v in figures.items() if k not in ("model", "recipe", "backend")}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipes.lowering import write_atomically
+from recipes.zoo import preferred_cell
 
 STATUS_MARK = {"ok": "ok", "failed": "failed", "refused": "refused", "oom": "OOM"}
 STATUS_COLOUR = {"failed": "#f2b8b8", "refused": "#f6d9a8", "oom": "#d98080"}
@@ -23,7 +24,7 @@ def _cell_text(cell: dict) -> str:
     ratio = cell.get("perplexity_ratio")
     return " / ".join([
         f"{_fmt(cell.get('delegated_percent'))} %", f"{_fmt(cell.get('pte_mb'))} MB",
-        f"{_fmt(cell.get('export_s'))} s", f"{_fmt((cell.get('peak_rss_mb') or 0) / 1024 or None, 2)} GB",
+        f"{_fmt(cell.get('export_s'))} s", f"{_fmt((cell.get('peak_rss_mb') or 0) / 1024 or None, 2)} GiB",
         _decode_text(cell),
         f"ppl x{ratio:.3f}" if ratio is not None else ("ppl: needs real weights"
                                                         if cell.get("fidelity") == "needs real weights" else "ppl –"),
@@ -48,7 +49,8 @@ def backend_tables(cells: list[dict]) -> list[str]:
         lines += [f"### {backend}", "", "| model | " + " | ".join(recipes) + " |",
                   "|---|" + "---|" * len(recipes)]
         for model in models:
-            row = {c["recipe"]: c for c in mine if c["model"] == model}
+            row = {r: preferred_cell([c for c in mine if c["model"] == model and c["recipe"] == r]) for r in recipes
+                   if any(c["model"] == model and c["recipe"] == r for c in mine)}
             lines.append(f"| {model} | " + " | ".join(_cell_text(row[r]) if r in row else "not run" for r in recipes)
                          + " |")
         lines.append("")

@@ -78,3 +78,19 @@ def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_p
                              "--weights", "random", "--out", str(tmp_path))
     assert unknown_recipe.returncode == 2 and "xnnpack" in unknown_recipe.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
+    from recipes.zoo_report import backend_tables
+
+    def cell(export_only, status="ok", decode=None):
+        return {"model": "m", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "status": status, "stage": None,
+                "export_only": export_only, "delegated_percent": 80.0, "pte_mb": 900.0, "export_s": 10.0,
+                "peak_rss_mb": 4096.0, "decode_tokens_per_s": decode, "engine": "executorch-runtime",
+                "perplexity_ratio": None, "fidelity": "needs real weights"}
+
+    for cells in ([cell(False, decode=20.4), cell(True)], [cell(True), cell(False, decode=20.4)]):
+        table = "\n".join(backend_tables(cells))
+        assert "20.4 tok/s (executorch-runtime)" in table and "4.00 GiB" in table and "export only" not in table
+    failed_full = "\n".join(backend_tables([cell(False, status="failed"), cell(True)]))
+    assert "export only" in failed_full and "failed" not in failed_full

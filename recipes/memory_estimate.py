@@ -78,6 +78,18 @@ class _Weights:
     tied: bool
 
 
+def _lowering_bytes(recipe, w: _Weights, pte: float) -> float:
+    """What lowering adds over the exported program: the recipe's own ratio to the .pte if it has one, else
+    the backend's per-weight figures or its ratio, over the backend's base."""
+    backend = recipe.backend
+    if recipe.lowering_memory_ratio is None and backend.lowering_memory_per_weight is not None:
+        per_linear, per_vocab = backend.lowering_memory_per_weight
+        working = per_linear * w.linears + per_vocab * (w.embedding + w.output)
+    else:
+        working = pte * (recipe.lowering_memory_ratio or backend.lowering_memory_ratio)
+    return backend.lowering_memory_base_bytes + working
+
+
 def _weights(config) -> _Weights:
     from models.llama import LlamaShape
 
@@ -158,8 +170,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         run = {
             "quantize": quantize,
             "export": before + module * (1 + EXPORT_RATIO),
-            "lower": (before + module + recipe.backend.lowering_memory_base_bytes
-                      + pte * (recipe.lowering_memory_ratio or recipe.backend.lowering_memory_ratio)),
+            "lower": before + module + _lowering_bytes(recipe, w, pte),
             "serialize": before + module + pte * SERIALIZE_RATIO,
         }
         if reference_dtype is not None:

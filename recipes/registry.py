@@ -59,6 +59,9 @@ class Backend:
     # converted copy) per byte of the float module.
     lowering_memory_ratio: float = 2.0
     lowering_memory_base_bytes: float = 0.0
+    # Instead of the ratio, where a converter's working set follows the weights rather than the .pte: bytes per
+    # weight of the decoder's linears, and per weight of the embedding and the output layer.
+    lowering_memory_per_weight: tuple[float, float] | None = None
     pt2e_memory_ratio: float = 3.0
 
 

@@ -209,9 +209,9 @@ def scale_plot(data: dict, path: Path) -> None:
         if not rows:
             continue
         x = [r["params"] / 1e9 for r in rows]
-        for ax, key, scale in zip(axes, ("peak_rss_mb", "wall_s", "pte_mb"), (1e-3, 1, 1)):
+        for ax, key, scale in zip(axes, ("peak_rss_mb", "wall_s", "pte_mb"), (1 / 1024, 1, 1)):
             ax.plot(x, [(r.get(key) or 0) * scale for r in rows], marker="o", label=peer)
-    for ax, label in zip(axes, ("peak RSS GB", "export wall s", ".pte MB")):
+    for ax, label in zip(axes, ("peak RSS GiB", "export wall s", ".pte MB")):
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel(label)
         ax.set_xlim(left=0)

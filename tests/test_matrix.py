@@ -83,7 +83,7 @@ def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_clus
     cells = plan_cells([find_entry("meta-llama/Llama-3.1-8B-Instruct")], ["xnnpack-fp32"], max_seq_len=512,
                        generate=False, weights="random")
     [cell] = run_matrix(cells, tmp_path, log=lambda msg: None)["cells"]
-    assert cell["status"] == "refused" and cell["stage"] == "memory-estimate" and "GB" in cell["reason"]
+    assert cell["status"] == "refused" and cell["stage"] == "memory-estimate" and "GiB" in cell["reason"]
 
 
 def test_a_cell_that_times_generation_takes_the_whole_node_and_an_export_does_not():

@@ -102,7 +102,9 @@ def write_heatmap(cells: list[dict], path: Path) -> None:
     recipes = sorted({c["recipe"] for c in cells}, key=lambda r: (r.split("-")[0], r))
     grid = np.full((len(models), len(recipes)), np.nan)
     fig, ax = plt.subplots(figsize=(1.3 * len(recipes) + 3, 0.55 * len(models) + 1.8))
-    for cell in cells:
+    shown = [preferred_cell([c for c in cells if (c["model"], c["recipe"]) == key])
+             for key in dict.fromkeys((c["model"], c["recipe"]) for c in cells)]
+    for cell in shown:
         i, j = models.index(cell["model"]), recipes.index(cell["recipe"])
         if cell["status"] == "ok":
             grid[i, j] = cell.get("delegated_percent") or 0

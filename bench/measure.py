@@ -95,3 +95,15 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None, cwd: Path |
 def median(values):
     values = [v for v in values if v is not None]
     return round(statistics.median(values), 3) if values else None
+
+
+def paired_ratio_by_run(records, numerator: str, denominator: str, side, value) -> float | None:
+    """Median over run indices of value(numerator's record) ÷ value(denominator's), `side` naming each
+    record's side: each pair ran back to back, so a slow spell of a shared machine hits both sides alike.
+    Records without a value (a failed run) leave their pair out."""
+    by_run: dict[int, dict[str, float]] = {}
+    for r in records:
+        v = value(r)
+        if v:
+            by_run.setdefault(r.get("run", 0), {})[side(r)] = v
+    return median(v[numerator] / v[denominator] for v in by_run.values() if numerator in v and denominator in v)

@@ -12,7 +12,7 @@ import json
 import statistics
 
 import thread_policy
-from bench.measure import median
+from bench.measure import median, paired_ratio_by_run
 
 # As for bench/decode.py's .pte engines: the product's thread policy, applied before torch loads.
 if __name__ == "__main__":
@@ -56,14 +56,9 @@ def summarize_engine(results: list[dict]) -> dict:
 
 
 def paired_ratio(runs: list[dict], numerator: str, denominator: str, key: str) -> float | None:
-    """Median over runs of numerator ÷ denominator within the same run index: each pair ran back to back,
-    so a slow spell of a shared machine hits both sides of a ratio alike."""
-    by_run: dict[int, dict[str, float]] = {}
-    for r in runs:
-        if r["returncode"] == 0 and r["result"] and r["result"].get(key):
-            by_run.setdefault(r["run"], {})[r["engine"]] = r["result"][key]
-    pairs = [v[numerator] / v[denominator] for v in by_run.values() if numerator in v and denominator in v]
-    return round(statistics.median(pairs), 3) if pairs else None
+    """Median over runs of numerator ÷ denominator within the same run index (bench.measure)."""
+    return paired_ratio_by_run(runs, numerator, denominator, side=lambda r: r["engine"],
+                               value=lambda r: r["returncode"] == 0 and r["result"] and r["result"].get(key))
 
 
 def summarize_runner(data: dict) -> dict:

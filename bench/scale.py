@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from bench.measure import run_measured
+from bench.measure import median, paired_ratio_by_run, run_measured
 
 SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
 RECIPE = "xnnpack-8da4w"
@@ -146,7 +146,8 @@ def summarize_scale(data: dict) -> dict:
         decode.append({"shape": shape, "engine": engine, "runs": len(results),
                        **({"prompt_tokens": results[0]["prompt_tokens"], "new_tokens": results[0]["new_tokens"]}
                           if results else {}),
-                       **{key: median_of(results, key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}})
+                       **{key: median(r.get(key) for r in results)
+                          for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}})
     return {"shapes": rows, "decode_summary": decode, "estimate_checks": checks,
             "ratios": scale_ratios(data)}
 
@@ -158,42 +159,27 @@ def params_of(data: dict, shape: str) -> int | None:
     return parameter_count(config) if config else None
 
 
-def median_of(results: list[dict], key: str) -> float | None:
-    from statistics import median
-
-    values = [r[key] for r in results if r.get(key) is not None]
-    return round(median(values), 2) if values else None
-
-
-def paired(records: list[dict], a: str, b: str, value) -> float | None:
-    """Median over run indices of value(a) ÷ value(b), each pair measured back to back in the same run."""
-    from statistics import median
-
-    by_run: dict[int, dict[str, float]] = {}
-    for r in records:
-        v = value(r)
-        if v:
-            by_run.setdefault(r.get("run", 0), {})[r["_side"]] = v
-    pairs = [v[a] / v[b] for v in by_run.values() if a in v and b in v]
-    return round(median(pairs), 3) if pairs else None
-
-
 def scale_ratios(data: dict) -> list[dict]:
     """Per shape, Lowerbench's export-only xnnpack-8da4w ÷ optimum-cli's: wall time, peak RSS and .pte size;
     and its .pte's prefill/decode ÷ optimum's on the same runtime loop."""
     ratios = []
     for shape in dict.fromkeys(r["shape"] for r in data["runs"]):
-        exports = [{**r, "_side": "optimum" if r["peer"] == "optimum" else "lowerbench"} for r in data["runs"]
-                   if r["shape"] == shape and r["returncode"] == 0
+        exports = [r for r in data["runs"] if r["shape"] == shape and r["returncode"] == 0
                    and r["peer"] in ("optimum", f"lowerbench {RECIPE}")]
-        runs = [{**r, "_side": r["engine"]} for r in data.get("decode", [])
-                if r["shape"] == shape and r["returncode"] == 0 and r["result"]]
+        runs = [r for r in data.get("decode", []) if r["shape"] == shape and r["returncode"] == 0 and r["result"]]
+
+        def export_ratio(value):
+            return paired_ratio_by_run(exports, f"lowerbench {RECIPE}", "optimum", lambda r: r["peer"], value)
+
+        def decode_ratio(key):
+            return paired_ratio_by_run(runs, "lowerbench-pte", "optimum-pte", lambda r: r["engine"],
+                                       lambda r: r["result"].get(key))
+
         row = {"shape": shape, "lowerbench_over_optimum": {
-            "export_wall": paired(exports, "lowerbench", "optimum", lambda r: r["wall_s"]),
-            "peak_rss": paired(exports, "lowerbench", "optimum", lambda r: r["peak_rss_mb"]),
-            "pte_bytes": paired(exports, "lowerbench", "optimum", lambda r: r.get("pte_bytes")),
-            **{key: paired(runs, "lowerbench-pte", "optimum-pte", lambda r, key=key: r["result"].get(key))
-               for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}}}
+            "export_wall": export_ratio(lambda r: r["wall_s"]),
+            "peak_rss": export_ratio(lambda r: r["peak_rss_mb"]),
+            "pte_bytes": export_ratio(lambda r: r.get("pte_bytes")),
+            **{key: decode_ratio(key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}}}
         if any(v is not None for v in row["lowerbench_over_optimum"].values()):
             ratios.append(row)
     return ratios

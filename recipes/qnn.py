@@ -25,7 +25,7 @@ from errors import UserFacingError
 from quant.pt2e import is_output_layer, share_kv_cache_encoding
 from recipes.registry import Backend, recipe
 
-QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK executorch 1.4.1 is built against
+QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK the pinned executorch is built against
 HOST_LIB_DIR = Path("lib") / "x86_64-linux-clang"
 DEFAULT_SOC = "SM8650"
 # QNN library versions the deviceCreate shim was checked on (onnxruntime-qnn 2.3.0 and 2.7.0).
@@ -176,7 +176,8 @@ def load_qnn_libraries() -> LoadedQnn:
     if not version.startswith(f"v{QNN_SDK_VERSION[:4]}"):
         if not version.startswith(SHIM_CHECKED_VERSIONS):
             raise UserFacingError(
-                f"the QNN libraries in {libraries.lib_dir} are {version}; ExecuTorch 1.4.1 needs QNN {QNN_SDK_VERSION} "
+                f"the QNN libraries in {libraries.lib_dir} are {version}; "
+                f"ExecuTorch {importlib.metadata.version('executorch')} needs QNN {QNN_SDK_VERSION} "
                 f"(the struct-layout shim for newer libraries was checked on {', '.join(v + 'x' for v in SHIM_CHECKED_VERSIONS)} only)."
             )
         _patch_device_create(htp)
@@ -199,7 +200,7 @@ _SHIM_KEEPALIVE: list = []
 
 def _patch_device_create(htp: ctypes.CDLL) -> None:
     """QNN 2.47+ moved the union of QnnHtpDevice_CustomConfig_t (QnnHtpDevice.h) from byte offset 4
-    to 8; ExecuTorch 1.4.1 fills it with the 2.37 layout, so QnnDevice_create rejects its SoC config
+    to 8; ExecuTorch (1.4.1, 1.5.1) fills it with the 2.37 layout, so QnnDevice_create rejects its SoC config
     ("unknown custom config socModel 0"). This wraps the deviceCreate entry of every QnnInterface_t
     (QnnInterface.h, returned by QnnInterface_getProviders) to copy each custom config's union to
     offset 8. Slot and offsets come from the QNN headers and were confirmed on 2.47 and 2.51 only."""
@@ -313,22 +314,20 @@ def qnn_quantizer(scheme: str, options: dict, module: torch.fx.GraphModule):
 
 
 def qnn_program_passes(program: torch.export.ExportedProgram, scheme: str) -> torch.export.ExportedProgram:
-    """QNN's export-pipeline passes on the quantized one-token program. 16a4w: the linears go to QNN as 1x1
-    conv2d (ExecuTorch's ConvertLinearToConv2d, the form upstream's Qualcomm Llama uses; block sizes become
-    (1, 32, 1, 1), the same numbers): QNN 2.47's HTP graph prepare rejects a block-quantized (LPBQ)
-    FullyConnected with more than 256 output channels ("no properties registered for q::GenPad"); Conv2d
-    takes the same weights (docs/qnn.md)."""
+    """QNN's export-pipeline passes on the quantized one-token program."""
     import_qnn_backend()
     from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
 
-    return QnnHtpPassManager().transform_for_export_pipeline(
-        program, convert_linear_to_conv2d=scheme in BLOCK_QUANTIZED_SCHEMES
-    )
+    return QnnHtpPassManager().transform_for_export_pipeline(program)
 
 
-def qnn_edge_passes() -> list:
+def qnn_edge_passes(scheme: str) -> list:
     """QNN's to_edge stage passes (what to_edge_transform_and_lower_to_qnn hands to
-    to_edge_transform_and_lower), run on the edge program itself."""
+    to_edge_transform_and_lower), run on the edge program itself. 16a4w: the linears go to QNN as 1x1 conv2d
+    (ExecuTorch's ConvertLinearToConv2d, the form upstream's Qualcomm Llama uses; block sizes become
+    (1, 32, 1, 1), the same numbers): QNN 2.47's HTP graph prepare rejects a block-quantized (LPBQ)
+    FullyConnected with more than 256 output channels ("no properties registered for q::GenPad"); Conv2d
+    takes the same weights (docs/qnn.md)."""
     from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 
     import_qnn_backend()
@@ -336,7 +335,9 @@ def qnn_edge_passes() -> list:
 
     class QnnToEdgePasses(ExportedProgramPassBase):
         def call(self, exported_program):
-            QnnHtpPassManager().transform_for_to_edge_pipeline(exported_program)
+            QnnHtpPassManager().transform_for_to_edge_pipeline(
+                exported_program, convert_linear_to_conv2d=scheme in BLOCK_QUANTIZED_SCHEMES
+            )
             return ExportedProgramPassResult(exported_program, True)
 
     return [QnnToEdgePasses()]

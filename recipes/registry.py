@@ -43,7 +43,8 @@ class Backend:
     # Engine label of the eager generation shown when its .pte cannot run here (or failed to lower).
     eager_engine: str = "eager-quantized"
     edge_compile_config: Callable[[], object] | None = None
-    transform_passes: Callable[[], list] | None = None
+    # (scheme) -> the passes to_edge_transform_and_lower runs on the edge program.
+    transform_passes: Callable[[str], list] | None = None
     # Entered around the lowering: e.g. its version-guarded dependency patches, restored on exit.
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext
     # What the report records about the compile target of these options (e.g. a SoC and its libraries).

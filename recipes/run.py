@@ -349,7 +349,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         report["recipe"]["options"] = {**options, **backend.describe_options(options)}
         report["llm_metadata"] = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                               _stop_ids(checkpoint))
-        lowered = lower_for_backend(program, backend, partitioners, constant_methods=report["llm_metadata"],
+        lowered = lower_for_backend(program, recipe, partitioners, constant_methods=report["llm_metadata"],
                                     generate_etrecord=request.etrecord, pte_path=recipe_dir / "model.pte")
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)

@@ -38,7 +38,7 @@ def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     apply_scheme(module, recipe.quantization)
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, options.max_seq_len, tiny_checkpoint.config, tiny_checkpoint.tokenizer, [2])
-    return lower_for_backend(program, recipe.backend, recipe.make_partitioners(recipe.options),
+    return lower_for_backend(program, recipe, recipe.make_partitioners(recipe.options),
                              constant_methods=metadata)
 
 

@@ -27,17 +27,16 @@ def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_
 
     checkpoint, program, _simulated = tiny_qnn_16a4w
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
-    # every linear goes to QNN as a 1x1 conv2d (QNN 2.47 prepares no block-quantized FullyConnected wider than 256)
-    assert not [n for n in nodes if n.target == torch.ops.aten.linear.default]
-    convs = [n for n in nodes if n.target == torch.ops.aten.conv2d.default]
-    assert len(convs) == 2 * 7 + 1
+    # (QNN's to_edge passes then turn each linear into a 1x1 conv2d: test_block_quantized_linears_wider_...)
+    linears = [n for n in nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 2 * 7 + 1
     # layer weights 4-bit in blocks of 32 input channels, the output layer 8-bit per channel;
     # every activation 16-bit
-    for conv in convs[:-1]:
-        weight = conv.args[1]
+    for linear in linears[:-1]:
+        weight = linear.args[1]
         assert weight.target == torch.ops.torchao.dequantize_affine.default
-        assert list(weight.args[1]) == [1, 32, 1, 1] and tuple(weight.args[5:7]) == (-7, 7)  # symmetric int4 blocks
-    head = convs[-1].args[1]
+        assert list(weight.args[1]) == [1, 32] and tuple(weight.args[5:7]) == (-7, 7)  # symmetric int4 blocks
+    head = linears[-1].args[1]
     assert head.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
     assert tuple(head.args[4:6]) == (-127, 127)
     act_q = [n for n in nodes if n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default]

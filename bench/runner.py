@@ -18,7 +18,7 @@ from bench.measure import median, paired_ratio_by_run
 if __name__ == "__main__":
     thread_policy.limit_openmp_default()
 
-# ExecuTorch's Python binding of the runner (1.4.1) has no ignore_eos, so the runner stops at an end of
+# ExecuTorch's Python binding of the runner (1.5.1) has no ignore_eos, so the runner stops at an end of
 # sequence; a prompt whose answer runs long keeps both programs generating the full count.
 LONG_ANSWER_PROMPT = "Write a long story about a dragon who learns to fly."
 

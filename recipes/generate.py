@@ -219,7 +219,7 @@ def warm_up(step: Callable) -> None:
 
 def _borrowing_call(method) -> Callable:
     """`method.execute` without its copy of the outputs. executorch.runtime's `Method.execute` passes
-    only the inputs to its pybind method, whose `clone_outputs` (executorch 1.4.1) is what copies."""
+    only the inputs to its pybind method, whose `clone_outputs` (executorch 1.5.1) is what copies."""
     bound = getattr(method, "_method", None)
     # pybind11 writes each overload's signature into __doc__: the flag is used only where it is declared, so
     # another executorch keeps its own execute, copies and all.

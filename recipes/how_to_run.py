@@ -1,6 +1,6 @@
 """The model card's "How to run" section: the recipe folder's files in ExecuTorch's own LLM runner (Python
 TextLLMRunner, llama_main) and in ExecuTorch's Android and iOS demo apps, plus the chat template as text,
-since every one of them takes raw text. Facts from executorch 1.4.1 and meta-pytorch/executorch-examples."""
+since every one of them takes raw text. Facts from executorch 1.5.1 and meta-pytorch/executorch-examples."""
 from __future__ import annotations
 
 # Chat formats the demo apps know, by a token their templates use: (Android LlamaDemo model type,
@@ -48,7 +48,7 @@ def _python(recipe: dict) -> list[str]:
 
 def _llama_main() -> list[str]:
     return ["### C++: `llama_main`", "",
-            "Build it as ExecuTorch's `examples/models/llama/README.md` says (v1.4.1), with the backend this program "
+            "Build it as ExecuTorch's `examples/models/llama/README.md` says (v1.5.1), with the backend this program "
             "delegates to, then:", "", "```sh",
             "cmake-out/examples/models/llama/llama_main --model_path=model.pte --tokenizer_path=tokenizer.json \\",
             '  --prompt="$(cat prompt.txt)" --temperature=0 --max_new_tokens=128 --warmup=1',

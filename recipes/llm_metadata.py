@@ -1,5 +1,5 @@
 """The metadata methods ExecuTorch's LLM runners read from a .pte, as constant methods of the program.
-Names and types are those of executorch 1.4.1's extension/llm/runner (constants.h, llm_runner_helper.cpp):
+Names and types are those of executorch 1.5.1's extension/llm/runner (constants.h, llm_runner_helper.cpp):
 TextLLMRunner refuses a .pte without get_max_seq_len and, for the others, falls back to defaults
 (max context 128, no dynamic shape) that do not fit our programs. Facts about the program come from the
 ExportedProgram itself; the rest from the checkpoint's config, tokenizer and generation config."""

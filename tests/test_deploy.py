@@ -28,7 +28,8 @@ def engines(report: dict) -> list[str]:
 
 def test_recipe_folder_holds_pte_tokenizer_with_chat_template_and_report(runner_llama_run, runner_llama_dir):
     folder, report = runner_llama_run
-    assert {p.name for p in folder.iterdir()} == {"model.pte", "tokenizer.json", "tokenizer_config.json", "report.json"}
+    assert {p.name for p in folder.iterdir()} == {"model.pte", "tokenizer.json", "tokenizer_config.json", "report.json",
+                                                  "model.etdump", "prefill.etdump"}  # the profile's (on by default)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     assert "<|im_start|>assistant" in config["chat_template"]
     assert json.loads((folder / "tokenizer.json").read_text())["model"]["type"] == "BPE"
@@ -109,7 +110,7 @@ def test_runner_stops_on_an_eos_id_that_is_not_the_tokenizers(runner_llama_run, 
     program = export_program(module, 64, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, 64, checkpoint.config, checkpoint.tokenizer, [2, stop])
     pte = tmp_path / "model.pte"
-    lowered = lower_for_backend(program, recipe.backend, recipe.make_partitioners({}), constant_methods=metadata)
+    lowered = lower_for_backend(program, recipe, recipe.make_partitioners({}), constant_methods=metadata)
     pte.write_bytes(lowered.pte)
     out = generate_with_runner(pte, folder / "tokenizer.json", checkpoint.tokenizer, "what is the capital of France ?",
                                8, eos_token_ids=[2, stop])

@@ -165,8 +165,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def test_warm_up_takes_xnnpacks_workspace_setup_out_of_the_first_generation(builtin_8da4w_run):
-    """The built-in 8da4w program plans and zeroes its XNNPACK workspace (19 MB at a context of 512) on its
-    first call. Counted as fresh pages in the first decode-shaped call of a new process: cold, that call
+    """The built-in 8da4w program plans and zeroes its XNNPACK workspace (about 6 MB) on its first call. Counted as fresh pages in the first decode-shaped call of a new process: cold, that call
     takes them; after the load's warm-up, it does not."""
     import subprocess
     import sys
@@ -182,5 +181,5 @@ def test_warm_up_takes_xnnpacks_workspace_setup_out_of_the_first_generation(buil
         return int(done.stdout.strip().splitlines()[-1])
 
     cold, warmed = first_call_faults("cold"), first_call_faults("warm")
-    assert cold > 3000, cold  # ~4,800 pages of 4 KB: the workspace, zeroed three times as it grows
-    assert warmed < 500, warmed
+    assert cold > 1000, cold  # ~1,500 pages of 4 KB: the workspace as it grows
+    assert warmed < 200, warmed

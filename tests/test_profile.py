@@ -20,8 +20,7 @@ def tiny_profiled_run(tmp_path_factory):
 
 
 def _profiled(report: dict) -> dict:
-    if report["profile"] is None and report["profile_note"] == profile.event_tracer_note():
-        pytest.skip(report["profile_note"])
+    # The pinned executorch wheel's runtime has its event tracer: a null profile is a failure, not a skip.
     assert report["profile"] is not None, report.get("profile_note")
     return report["profile"]
 

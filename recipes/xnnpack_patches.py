@@ -3,7 +3,7 @@
 to_executorch and restoring every original on exit, so no other backend's lowering ever meets them. Each
 targets one version (PATCHED) and does nothing on another.
 
-1. executorch 1.4.1, XNNPACK preprocessing (executorch.backends.xnnpack._passes.XNNPACKPassManager): for every
+1. executorch 1.5.1, XNNPACK preprocessing (executorch.backends.xnnpack._passes.XNNPACKPassManager): for every
    delegated partition, ConvertToUpsampleBilinear2d.call and ConvertToSDPAPass.call run a SubgraphMatcher per
    pattern and then re-trace the partition with fake tensors, even when it cannot contain the pattern. Skipped
    when some op of every pattern is absent from the graph: a subgraph match needs every op of the pattern, so
@@ -13,18 +13,24 @@ targets one version (PATCHED) and does nothing on another.
    their Python bodies (~30 aten ops each) on fake tensors just to learn output shapes. For plain fake tensors
    (no proxy or functional tracing active, i.e. only shape propagation) the patch returns empty tensors of the
    same shape, dtype and strides; real tensors and tracing take the original bodies.
-3. executorch 1.4.1, XNNPACK preprocessing again: most passes of XNNPACKPassManager rewrite the partition's graph
+3. executorch 1.5.1, XNNPACK preprocessing again: most passes of XNNPACKPassManager rewrite the partition's graph
    in place in their call() and then call ExportPass.call (executorch.exir.pass_base._ExportPassBase.call) "to
    regenerate metadata", a full re-trace with fake tensors, whether or not they changed anything. For the
    passes listed in RETRACE_ONLY_AFTER_CHANGE the re-trace is skipped when the graph is, node for node, the one
    the pass received: re-tracing an unchanged graph gives it back unchanged.
-4. executorch 1.4.1, partition creation (executorch.exir.backend.backend_api._create_partitions_in_graph_module
+4. executorch 1.5.1, partition creation (executorch.exir.backend.backend_api._create_partitions_in_graph_module
    -> executorch.exir.lowered_backend_module.create_submodule_from_nodes): after cutting each partition out, it
    rebuilds the whole top-level graph in topological order (torch.fx legalize_graph), once per partition --
    quadratic in depth. The patch checks the order in one read-only sweep and re-sorts only when a node
    really comes before one of its inputs.
+5. executorch 1.5.1, lowering every partition (executorch.exir.backend.backend_api.lower_all_submodules_to_backend):
+   each partition's program is deep-copied before preprocessing (BackendDetails.copy_exported_program_for_preprocess),
+   its weights included, and all copies exist at once: a second copy of every delegated weight, the largest share
+   of a big model's lowering peak. XNNPACK's preprocessing reads those tensors and never writes them (it
+   serializes them or builds new ones), so the copy shares their storage and still copies the graph and the
+   state-dict mappings, as ExecuTorch's CUDA backend does in its low-memory mode.
 
-Patches 1-3 leave the .pte byte for byte as it is without them. Patch 4 is the one that changes its bytes:
+Patches 1-3 and 5 leave the .pte byte for byte as it is without them. Patch 4 is the one that changes its bytes:
 legalize_graph re-sorts an already valid order too, so without it the top-level nodes (delegate calls and
 the ops between them) come out in another topological order. Any topological order computes the same
 values: every instruction still runs after its inputs, the delegates' payloads are the same bytes, and the
@@ -38,7 +44,7 @@ import importlib.metadata
 from contextlib import contextmanager
 from typing import Callable
 
-PATCHED = {"executorch": "1.4.1", "torchao": "0.18.0"}
+PATCHED = {"executorch": "1.5.1", "torchao": "0.18.0"}
 
 
 def _version_matches(package: str) -> bool:
@@ -200,6 +206,22 @@ def _patch_partition_legalize() -> list[Callable[[], None]]:
     return [_swap(backend_api, "create_submodule_from_nodes", create_submodule_from_nodes)]
 
 
+def _patch_shared_preprocess_weights() -> list[Callable[[], None]]:
+    import copy
+
+    import torch
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    def copy_exported_program_for_preprocess(cls, edge_program, compile_specs):
+        shared = {id(tensor): tensor
+                  for values in (edge_program.state_dict, edge_program.constants)
+                  for tensor in values.values() if isinstance(tensor, torch.Tensor)}
+        return copy.deepcopy(edge_program, shared)
+
+    return [_swap(XnnpackBackend, "copy_exported_program_for_preprocess",
+                  classmethod(copy_exported_program_for_preprocess))]
+
+
 def shape_only(tensor) -> bool:
     """A fake tensor outside any tracing: the caller only wants the output's metadata."""
     import torch
@@ -278,6 +300,7 @@ def patched(reorder_partitions: bool = True):
             restores += _patch_idle_retraces()
             if reorder_partitions:
                 restores += _patch_partition_legalize()
+            restores += _patch_shared_preprocess_weights()
         if _version_matches("torchao"):
             restores += _patch_torchao_shape_propagation()
         yield
@@ -290,6 +313,7 @@ def patch_targets() -> dict[str, object]:
     """What every patched attribute is right now (the torchao ops by their dispatcher table): equal before
     and after a block, and equal inside one that runs without the patches."""
     import torch
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
     from executorch.exir.backend import backend_api
     from executorch.exir.pass_base import _ExportPassBase
 
@@ -297,6 +321,8 @@ def patch_targets() -> dict[str, object]:
     targets.update({f"{cls.__qualname__}.call": vars(cls).get("call") for cls in retrace_only_after_change_classes()})
     targets["_ExportPassBase.call"] = vars(_ExportPassBase)["call"]
     targets["backend_api.create_submodule_from_nodes"] = backend_api.create_submodule_from_nodes
+    targets["XnnpackBackend.copy_exported_program_for_preprocess"] = vars(XnnpackBackend).get(
+        "copy_exported_program_for_preprocess")
     for name in ("quantize_affine", "dequantize_affine", "choose_qparams_affine"):
         targets[f"torchao::{name}"] = torch._C._dispatch_dump(f"torchao::{name}")
     return targets

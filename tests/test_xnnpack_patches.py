@@ -201,3 +201,23 @@ def test_non_xnnpack_lowering_runs_with_no_patch_active(tiny_checkpoint):
     lowered = _lower_tiny(tiny_checkpoint, "coreml-fp32", probe)
     assert lowered.delegation["delegated_subgraphs"] >= 1
     assert probe.seen == originals
+
+
+def test_preprocess_copy_shares_the_weights_and_copies_the_graph_only_while_patched():
+    """The per-partition copy made before XNNPACK's preprocessing: a second copy of every weight without the
+    patch, the same tensors with it; the graph and the state-dict mapping are the copy's own either way."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    program = _edge_graph(torch.nn.Linear(64, 32), torch.randn(2, 64))
+    weights = dict(program.state_dict)
+
+    def copied():
+        copy_ = XnnpackBackend.copy_exported_program_for_preprocess(program, [])
+        assert copy_.graph_module is not program.graph_module and copy_.state_dict is not program.state_dict
+        assert all(torch.equal(copy_.state_dict[name], tensor) for name, tensor in weights.items())
+        return [copy_.state_dict[name] is tensor for name, tensor in weights.items()]
+
+    assert copied() == [False, False]
+    with xnnpack_patches.patched():
+        assert copied() == [True, True]
+    assert copied() == [False, False]

@@ -5,6 +5,9 @@
                                                      XNNPACK's kernels, bench/floor.py; not a default phase)
     python3 -m bench --phases scale --runs 1 --shapes smollm2-135m,llama-3.2-1b --scale-full
                                                     (the 1B/3B shapes, bench/scale.py; not a default phase)
+    python3 -m bench --phases versions --runs 2 --baseline-python OTHER/bin/python --baseline-root OTHER_CHECKOUT
+                                                    (this install against another, e.g. the previous executorch
+                                                     pin, bench/versions.py; not a default phase)
     python3 -m bench --phases runner --runs 5       (ExecuTorch's LLM runner on Lowerbench's and optimum's .pte,
                                                      and the Python step loop on both, bench/runner.py)
 
@@ -426,10 +429,23 @@ def summarize_scale(data: dict) -> dict:
     return scale.summarize_scale(data)
 
 
+def phase_versions(args, hf: Path) -> dict:
+    from bench import versions
+
+    return versions.phase_versions(args, TMP, PY, ROOT, _progress)
+
+
+def summarize_versions(data: dict) -> dict:
+    from bench import versions
+
+    return versions.summarize_versions(data)
+
+
 PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase_runner, summarize_runner, "engine"), "export": (phase_export, summarize_export, "peer"),
           "scale": (phase_scale, summarize_scale, "peer"),
           "scaling": (phase_scaling, summarize_scaling, "layers"),
-          "breakdown": (phase_breakdown, summarize_breakdown, "variant")}
+          "breakdown": (phase_breakdown, summarize_breakdown, "variant"),
+          "versions": (phase_versions, summarize_versions, "install")}
 
 
 def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
@@ -483,6 +499,13 @@ def main() -> None:
     parser.add_argument("--scale-full", action="store_true", help="scale phase: also the full xnnpack-8da4w job")
     parser.add_argument("--scale-dir", default=str(ROOT / "bench" / ".cache" / "scale"),
                         help="scale phase: where the random checkpoints are written (several GB each)")
+    parser.add_argument("--baseline-python", default="", help="versions phase: the interpreter of the install "
+                        "to compare against (e.g. a venv with the previous executorch pin)")
+    parser.add_argument("--baseline-root", default="", help="versions phase: that install's Lowerbench checkout")
+    parser.add_argument("--versions-shapes", default="smollm2-135m,llama-3.2-1b",
+                        help="versions phase: the shapes both installs export (bench/scale_models.py)")
+    parser.add_argument("--versions-decode", default="smollm2-135m",
+                        help="versions phase: the shapes whose .pte each install also decodes")
     parser.add_argument("--scale-memory-gb", type=float, default=12.0,
                         help="scale phase: shapes whose export-only estimate is higher are not run")
     args = parser.parse_args()

@@ -302,6 +302,28 @@ def scale_table(data: dict) -> list[str]:
     return lines
 
 
+def versions_table(data: dict) -> list[str]:
+    installs = data["settings"]["installs"]
+    describe = lambda i: f"executorch {i['executorch']}, torch {i['torch']}, torchao {i['torchao']} ({i['commit']})"
+    lines = [f"### Versions (export-only {data['settings']['recipe']}, max context {data['settings']['max_seq_len']}; "
+             "decode on each install's own runtime)", _meta_line(data["meta"]), "",
+             f"current: {describe(installs['current'])}; baseline: {describe(installs['baseline'])}.", "",
+             "| shape | install | wall s | peak RSS MB | .pte MB | prefill tok/s | decode tok/s | runs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in data["shapes"]:
+        for name in ("current", "baseline"):
+            r = row[name]
+            lines.append(f"| {row['shape']} | {name} | {fmt(r['wall_s'])} | {fmt(r['peak_rss_mb'])} | {fmt(r['pte_mb'])} "
+                         f"| {fmt(r['prefill_tokens_per_s'])} | {fmt(r['decode_tokens_per_s'])} | {r['runs']} |")
+    lines += ["", "current ÷ baseline, paired within each run:", "",
+              "| shape | export wall | peak RSS | .pte size | prefill tok/s | decode tok/s |", "|---|---|---|---|---|---|"]
+    for row in data["shapes"]:
+        q = row["current_over_baseline"]
+        lines.append(f"| {row['shape']} | " + " | ".join(ratio_cell(q.get(k)) for k in (
+            "wall", "peak_rss", "pte", "prefill", "decode")) + " |")
+    return lines
+
+
 def ratio_cell(value) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
@@ -310,7 +332,8 @@ def write_all(results: Path) -> None:
     lines = ["# Lowerbench benchmark results", "",
              "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
     for name, render in (("decode", decode_table), ("runner", runner_table), ("export", export_table),
-                         ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table)):
+                         ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table),
+                         ("versions", versions_table)):
         path = results / f"{name}.json"
         if not path.is_file():
             lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]

@@ -1,8 +1,15 @@
+import contextlib
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import thread_policy
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The suite runs under the thread policy Lowerbench's own processes use (thread_policy.py): OpenMP's
 # default must be set before anything loads torch, then torch's own threads go back to one per core.
@@ -211,7 +218,7 @@ def tiny_fp32_lowered(tiny_checkpoint):
     options = recipe.export_options(64)
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
-    lowered = lower_for_backend(program, recipe.backend, recipe.make_partitioners({}))
+    lowered = lower_for_backend(program, recipe, recipe.make_partitioners({}))
     return module, lowered, recipe
 
 
@@ -229,30 +236,92 @@ def run_cli(*args, timeout=3000, env: dict | None = None):
     )
 
 
-def _builtin_cli_run(tmp_path_factory, name: str, recipes: list[str], max_new_tokens: int):
-    """The built-in SmolLM2-135M through `recipes` in one CLI run (one load, one fp32 reference):
-    (output folder, {recipe: report}, CompletedProcess)."""
-    import json
-
-    out = tmp_path_factory.mktemp(name)
-    args = [arg for recipe in recipes for arg in ("--recipe", recipe)]
-    result = run_cli("run", *args, "--out", str(out), "--max-new-tokens", str(max_new_tokens))
-    assert result.returncode == 0, result.stderr[-3000:]
-    folder = (lambda recipe: out) if len(recipes) == 1 else (lambda recipe: out / recipe)
-    reports = {recipe: json.loads((folder(recipe) / "report.json").read_text()) for recipe in recipes}
-    return out, reports, result
-
-
-# The built-in model's end-to-end recipes in one CLI run: one load and one fp32 reference for both. These are
+# The built-in model's end-to-end recipes in one job: one load and one fp32 reference for both. These are
 # the recipes whose .pte runs here (runtime, LLM runner, fidelity); the other backends' lowerings are checked
 # per layer on the tiny Llama.
 BUILTIN_RECIPES = ["xnnpack-fp32", "xnnpack-8da4w"]
 
 
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(tmp: Path):
+    """`python app.py` on a free port, its jobs under tmp/jobs, the Hub pointed at a closed local port:
+    {url, jobs, log}."""
+    import socket
+    import time
+
+    port = free_port()
+    env = {**os.environ, "LOWERBENCH_JOBS_DIR": str(tmp / "jobs"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+           "HF_HOME": str(tmp / "hf-home"), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SPACE_ID"):
+        env.pop(name, None)
+    with open(tmp / "app.log", "w") as log:
+        process = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 180
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    assert process.poll() is None, (tmp / "app.log").read_text()[-3000:]
+                    assert time.time() < deadline, "the app did not start within 180 s"
+                    time.sleep(0.5)
+            yield {"url": f"http://127.0.0.1:{port}/", "jobs": tmp / "jobs", "log": tmp / "app.log"}
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def launch_browser(playwright):
+    if not Path("/usr/bin/chromium").exists():
+        pytest.skip("Debian chromium is not installed (bash setup.sh --test)")
+    return playwright.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+
+
 @pytest.fixture(scope="session")
 def builtin_run(tmp_path_factory):
-    """The built-in SmolLM2-135M through BUILTIN_RECIPES via the CLI, once per session."""
-    return _builtin_cli_run(tmp_path_factory, "builtin", BUILTIN_RECIPES, 24)
+    """The built-in SmolLM2-135M through BUILTIN_RECIPES once per session, as a user runs it: the app's default
+    job (the built-in model, xnnpack-8da4w) with xnnpack-fp32 ticked too, clicked in chromium. The app runs
+    the same run() as the CLI. (job folder, {recipe: report}, {what the page showed, seconds taken})."""
+    import json
+    import time
+
+    from playwright.sync_api import expect, sync_playwright
+
+    tmp = tmp_path_factory.mktemp("builtin")
+    with running_app(tmp) as app, sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        expect(page.get_by_label("Built-in SmolLM2-135M-Instruct")).to_be_checked()
+        expect(page.get_by_label("xnnpack-8da4w — XNNPACK")).to_be_checked()
+        page.get_by_label("xnnpack-fp32 — XNNPACK").check()
+        started = time.time()
+        page.get_by_role("button", name="Lower", exact=True).click()
+        expect(page.get_by_text("loading the checkpoint").first).to_be_visible(timeout=120_000)
+        expect(page.locator("#status")).to_contain_text(f"{len(BUILTIN_RECIPES)} of {len(BUILTIN_RECIPES)} recipes "
+                                                        "finished", timeout=1_800_000)
+        shown = {"seconds": round(time.time() - started, 1), "generations": page.locator("#generations").inner_text(),
+                 "summary": page.locator("#summary-table").inner_text(), "status": page.locator("#status").inner_text()}
+        page.screenshot(path=str(tmp / "builtin.png"), full_page=True)
+        shown["screenshot"] = tmp / "builtin.png"
+        browser.close()
+    (job,) = list(app["jobs"].iterdir())
+    reports = {recipe: json.loads((job / recipe / "report.json").read_text()) for recipe in BUILTIN_RECIPES}
+    return job, reports, shown
 
 
 @pytest.fixture(scope="session")

@@ -3,53 +3,22 @@ chromium with playwright. Jobs run the real pipeline on the tiny Llama, and (mar
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+from tests.conftest import launch_browser, running_app
+
 TOKEN = "hf_secretTokenThatMustNeverShow42"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """The app on a free port, its jobs under a temp folder, the Hub pointed at a closed local port."""
     tmp = tmp_path_factory.mktemp("app")
-    port = free_port()
-    env = {**os.environ, "LOWERBENCH_JOBS_DIR": str(tmp / "jobs"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
-           "HF_HOME": str(tmp / "hf-home"), "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1"}
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SPACE_ID"):
-        env.pop(name, None)
-    log = open(tmp / "app.log", "w")
-    process = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT, env=env,
-                               stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 180
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            assert process.poll() is None, (tmp / "app.log").read_text()[-3000:]
-            assert time.time() < deadline, "the app did not start within 180 s"
-            time.sleep(0.5)
-    yield {"url": url, "jobs": tmp / "jobs", "log": tmp / "app.log"}
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+    with running_app(tmp) as running:
+        yield running
     assert TOKEN not in (tmp / "app.log").read_text()
 
 
@@ -160,12 +129,6 @@ def test_an_algorithm_the_recipe_does_not_offer_is_refused_as_on_the_cli(app, ti
     assert re.search(r"quant algorithm 'gptq' is not offered for 8da4w \(.*CUDA only.*\); choose one of: hqq, minmax",
                      str(info.value))
     assert set(app["jobs"].iterdir()) == before
-
-
-def launch_browser(playwright):
-    if not Path("/usr/bin/chromium").exists():
-        pytest.skip("Debian chromium is not installed (bash setup.sh --test)")
-    return playwright.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
 
 
 def test_browser_error_stays_on_the_page_after_its_toast_then_a_job_succeeds(app, tiny_llama_dir, tmp_path):
@@ -279,28 +242,17 @@ def test_browser_an_algorithm_and_the_layer_map_reach_the_report_and_its_chart(a
 
 @pytest.mark.builtin
 @pytest.mark.timeout(3600)
-def test_browser_lowers_the_builtin_model(app, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
-
-    with sync_playwright() as p:
-        browser = launch_browser(p)
-        page = browser.new_page(viewport={"width": 1400, "height": 1800})
-        page.goto(app["url"])
-        expect(page.get_by_label("Built-in SmolLM2-135M-Instruct")).to_be_checked()
-        started = time.time()
-        page.get_by_role("button", name="Lower", exact=True).click()
-        expect(page.get_by_text("loading the checkpoint").first).to_be_visible(timeout=120_000)
-        generations = page.locator("#generations")
-        # the recipe's column shows ExecuTorch's LLM runner on the folder's files
-        expect(generations).to_contain_text("executorch-llm-runner", timeout=1_200_000)
-        print(f"built-in xnnpack-8da4w through the browser: {time.time() - started:.1f} s")
-        expect(page.locator("#summary-table")).to_contain_text("xnnpack-8da4w")
-        text = generations.inner_text()
-        assert "eager-fp32" in text and text.index("eager-fp32") < text.index("executorch-llm-runner")
-        assert "Paris" in text.split("xnnpack-8da4w", 1)[1]
-        page.screenshot(path=str(tmp_path / "builtin.png"), full_page=True)
-        shutil_copy(tmp_path / "builtin.png")
-        browser.close()
+def test_browser_lowers_the_builtin_model(builtin_run):
+    """The session's built-in job (tests/conftest.py: the app's default job, xnnpack-fp32 ticked too, clicked
+    in chromium): the page shows both recipes' results, ExecuTorch's LLM runner answering beside eager fp32."""
+    _job, _reports, shown = builtin_run
+    print(f"built-in xnnpack-fp32 + xnnpack-8da4w through the browser: {shown['seconds']} s")
+    assert "xnnpack-8da4w" in shown["summary"] and "xnnpack-fp32" in shown["summary"]
+    text = shown["generations"]
+    # each recipe's column shows ExecuTorch's LLM runner on the folder's files
+    assert "eager-fp32" in text and text.index("eager-fp32") < text.index("executorch-llm-runner")
+    assert "Paris" in text.split("xnnpack-8da4w", 1)[1]
+    shutil_copy(shown["screenshot"])
 
 
 def shutil_copy(png: Path) -> None:

@@ -144,7 +144,7 @@ def test_builtin_8da4w_folder_runs_in_the_llm_runner_and_answers_paris(builtin_8
     from recipes.generate import DEFAULT_PROMPT
     from recipes.llm_runner import generate_with_runner
 
-    folder, report, _result = builtin_8da4w_run
+    folder, report, _shown = builtin_8da4w_run
     assert {"model.pte", "tokenizer.json", "tokenizer_config.json", "report.json"} <= {p.name for p in folder.iterdir()}
     runner = next(g for g in report["generations"] if g["engine"] == RUNNER_ENGINE)
     assert "Paris" in runner["text"] and runner["prompt_note"] is None
@@ -156,6 +156,6 @@ def test_builtin_8da4w_folder_runs_in_the_llm_runner_and_answers_paris(builtin_8
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eos_ids = constant_methods(folder / "model.pte")["get_eos_ids"]
     assert tokenizer.eos_token_id in eos_ids
-    again = generate_with_runner(folder / "model.pte", folder / "tokenizer.json", tokenizer, DEFAULT_PROMPT, 24,
-                                 eos_token_ids=eos_ids)
+    again = generate_with_runner(folder / "model.pte", folder / "tokenizer.json", tokenizer, DEFAULT_PROMPT,
+                                 runner["new_tokens"], eos_token_ids=eos_ids)
     assert again.text == runner["text"]

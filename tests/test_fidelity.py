@@ -149,7 +149,7 @@ def test_sqnr_chart_rows_give_one_line_per_recipe():
 
 @pytest.mark.builtin
 def test_builtin_xnnpack_fp32_agrees_fully_with_eager(builtin_fp32_run):
-    _out, report, _result = builtin_fp32_run
+    _out, report, _shown = builtin_fp32_run
     figures = report["fidelity"]
     assert figures["engine"] == "executorch-runtime"
     assert figures["top1_agreement_percent"] == 100.0, figures
@@ -160,7 +160,7 @@ def test_builtin_xnnpack_fp32_agrees_fully_with_eager(builtin_fp32_run):
 @pytest.mark.builtin
 def test_builtin_xnnpack_8da4w_reports_its_target(builtin_8da4w_run):
     """The report judges 8da4w against its perplexity target and says whether it meets it."""
-    _out, report, _result = builtin_8da4w_run
+    _out, report, _shown = builtin_8da4w_run
     figures = report["fidelity"]
     assert figures["engine"] == "executorch-runtime"
     assert figures["perplexity_fp32"] < figures["perplexity"] < 3 * figures["perplexity_fp32"], figures

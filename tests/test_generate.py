@@ -171,7 +171,7 @@ def test_warm_up_takes_xnnpacks_workspace_setup_out_of_the_first_generation(buil
     import sys
     from pathlib import Path
 
-    out, _report, _result = builtin_8da4w_run
+    out, _report, _shown = builtin_8da4w_run
     root = Path(__file__).resolve().parent.parent
 
     def first_call_faults(mode: str) -> int:

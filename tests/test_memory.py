@@ -1,5 +1,6 @@
 """Memory proportional to one layer: the lazy safetensors loader, the unit-by-unit build, and the memory
 estimate that refuses a job before any weight is downloaded."""
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -141,7 +142,12 @@ def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
     the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""
     from recipes.zoo import find_entry
 
-    cells = [c for c in json.loads(ZOO_RESULTS.read_text())["cells"] if c["status"] == "ok" and c["peak_rss_mb"]]
+    installed = importlib.metadata.version("executorch")
+    # XNNPACK cells only from the installed executorch: Lowerbench's lowering patches (recipes/xnnpack_patches.py)
+    # are written for it, and the per-partition weight copy they share is gone only there. The other backends'
+    # lowering (a deep copy per partition, then coremltools or QNN) is the same code in the previous pin.
+    cells = [c for c in json.loads(ZOO_RESULTS.read_text())["cells"] if c["status"] == "ok" and c["peak_rss_mb"]
+             and (c["backend"] != "xnnpack" or c["versions"]["executorch"] == installed)]
     assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c["model"] for c in cells}
     for cell in cells:
         estimate = estimate_job(find_entry(cell["model"]).llama_config(), [get_recipe(cell["recipe"])],
@@ -183,7 +189,7 @@ def test_pte_is_written_from_executorchs_pieces_and_equals_the_joined_bytes(tiny
 
     module, lowered, recipe = tiny_fp32_lowered
     program = export_program(module, 64, strict=recipe.backend.strict_export)
-    streamed = lower_for_backend(program, recipe.backend, recipe.make_partitioners({}), pte_path=tmp_path / "model.pte")
+    streamed = lower_for_backend(program, recipe, recipe.make_partitioners({}), pte_path=tmp_path / "model.pte")
     data = (tmp_path / "model.pte").read_bytes()
     assert streamed.pte_data is None and data == lowered.pte
     assert (streamed.pte_bytes, streamed.pte_sha256) == (len(data), hashlib.sha256(data).hexdigest())

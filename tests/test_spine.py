@@ -179,7 +179,7 @@ def test_corrupt_safetensors_is_refused_and_cli_writes_nothing(tiny_llama_dir, t
 
 @pytest.mark.builtin
 def test_builtin_model_8da4w_end_to_end(builtin_8da4w_run):
-    out, report, _result = builtin_8da4w_run
+    out, report, _shown = builtin_8da4w_run
     assert (out / "model.pte").stat().st_size == report["pte"]["bytes"]
     assert report["model"]["source"] == "builtin"
     assert report["model"]["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -4,7 +4,8 @@ import re
 from recipes import zoo
 from recipes.registry import load_backends
 
-from tests.test_app import app, launch_browser  # noqa: F401  (the running app fixture, shared)
+from tests.conftest import launch_browser
+from tests.test_app import app  # noqa: F401  (the running app fixture, shared)
 
 
 def test_zoo_tab_fills_the_hub_repo_and_preselects_recommended_recipes(app):  # noqa: F811

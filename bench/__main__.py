@@ -449,14 +449,21 @@ PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase
 
 
 def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
-    """The scale phase fills in shape by shape: runs of the shapes this invocation did not measure stay."""
-    measured = set(result["settings"]["shapes"])
-    kept = {key: [r for r in old.get(key, []) if r["shape"] not in measured] for key in ("runs", "decode")}
+    """The scale phase fills in shape by shape, and with --peers peer by peer: the runs this invocation did not
+    measure stay (other shapes' runs, and with --peers the other peers' runs of its shapes)."""
+    from bench.scale import peer_of_engine
+
+    measured, peers = set(result["settings"]["shapes"]), set(meta.get("peers") or [])
+    stays = lambda r, peer: r["shape"] not in measured or bool(peers and peer not in peers)
+    kept = {"runs": [r for r in old.get("runs", []) if stays(r, r["peer"])],
+            "decode": [r for r in old.get("decode", []) if stays(r, peer_of_engine(r["engine"]))]}
     if kept["runs"] or kept["decode"]:
         result["runs"] = kept["runs"] + result["runs"]
         result["decode"] = kept["decode"] + result["decode"]
-        result["skipped"] = {**{k: v for k, v in old.get("skipped", {}).items() if k.split()[0] not in measured},
-                             **result["skipped"]}
+        ran = {f"{r['shape']} {r['peer']}" for r in result["runs"]}
+        result["skipped"] = {k: v for k, v in {**{k: v for k, v in old.get("skipped", {}).items()
+                                                  if k.split()[0] not in measured}, **result["skipped"]}.items()
+                             if k not in ran}
         result["settings"]["shapes"] = list(dict.fromkeys([r["shape"] for r in result["runs"]] + list(measured)))
         meta["earlier_meta"] = old["meta"]
 
@@ -466,7 +473,7 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
     in piece by piece (each run record keeps its own time and load average)."""
     _run, summarize, key = PHASES[name]
     path = RESULTS / f"{name}.json"
-    if meta["peers"] and path.is_file():
+    if meta["peers"] and path.is_file() and name != "scale":
         old = json.loads(path.read_text())
         kept = [r for r in old["runs"] if str(r[key]) not in meta["peers"]]
         result["runs"] = kept + result["runs"]
@@ -474,7 +481,7 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
         for peer in {str(r[key]) for r in result["runs"]}:
             result["skipped"].pop(peer, None)
         meta["earlier_meta"] = old["meta"]
-    if name == "scale" and not meta["peers"] and path.is_file():
+    if name == "scale" and path.is_file():
         keep_other_shapes(json.loads(path.read_text()), meta, result)
     data = {"meta": meta, **result}
     data.update(summarize(data))

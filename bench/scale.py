@@ -18,6 +18,11 @@ SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
 RECIPE = "xnnpack-8da4w"
 
 
+def peer_of_engine(engine: str) -> str:
+    """The export peer whose .pte a decode engine runs."""
+    return {"lowerbench-pte": f"lowerbench {RECIPE}", "optimum-pte": "optimum"}.get(engine, engine)
+
+
 def checkpoint_folder(name: str, cache: Path) -> Path:
     from bench.checkpoints import hf_folder
     from bench.scale_models import make_checkpoint

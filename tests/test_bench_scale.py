@@ -46,11 +46,25 @@ def test_table_names_the_engine_and_shows_the_ratios():
 def test_a_later_invocation_keeps_the_shapes_it_did_not_measure():
     from bench.__main__ import keep_other_shapes
 
-    old = {**_data(), "skipped": {"3b optimum": "no venv", "1b optimum": "no venv"}}
+    old = {**_data(), "skipped": {"3b optimum": "no venv", "2b optimum": "no venv"}}
     new = {"runs": [_export("3b", PEER, 0, 310, 9100)], "decode": [], "skipped": {},
            "settings": {"shapes": ["3b"]}}
     meta = {"date": "later"}
     keep_other_shapes(old, meta, new)
     assert [r["shape"] for r in new["runs"]] == ["1b"] * 4 + ["3b"]
-    assert len(new["decode"]) == 4 and new["skipped"] == {"1b optimum": "no venv"}
+    assert len(new["decode"]) == 4 and new["skipped"] == {"2b optimum": "no venv"}
     assert meta["earlier_meta"]["date"] == "d"
+
+
+def test_a_later_invocation_with_peers_keeps_the_other_peers_of_its_shapes():
+    from bench.__main__ import keep_other_shapes
+
+    old = _data()
+    new = {"runs": [_export("1b", PEER, 0, 300, 3000)], "decode": [], "skipped": {"1b optimum": "skipped with --skip"},
+           "settings": {"shapes": ["1b"]}}
+    keep_other_shapes(old, {"date": "later", "peers": [PEER]}, new)
+    one_b = [r for r in new["runs"] if r["shape"] == "1b"]
+    assert [(r["peer"], r["wall_s"]) for r in one_b if r["peer"] == PEER] == [(PEER, 300)]
+    assert [r["peer"] for r in one_b].count("optimum") == 2
+    assert sorted(r["engine"] for r in new["decode"]) == ["optimum-pte", "optimum-pte"]
+    assert new["skipped"] == {}

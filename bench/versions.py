@@ -25,7 +25,7 @@ def stack_of(python: str, root: Path) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"{python} cannot import the packages Lowerbench needs: {out.stderr.strip()[-500:]}")
     executorch, torch, torchao = out.stdout.split()
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True)
     return {"python": python, "root": str(root), "commit": commit.stdout.strip() or None,
             "executorch": executorch, "torch": torch, "torchao": torchao}
 

@@ -94,3 +94,17 @@ def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
         assert "20.4 tok/s (executorch-runtime)" in table and "4.00 GiB" in table and "export only" not in table
     failed_full = "\n".join(backend_tables([cell(False, status="failed"), cell(True)]))
     assert "export only" in failed_full and "failed" not in failed_full
+
+
+def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
+    from recipes.zoo_report import backend_tables
+
+    def cell(executorch, peak_mb):
+        return {"model": "m", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "status": "ok", "stage": None,
+                "export_only": True, "delegated_percent": 80.0, "pte_mb": 900.0, "export_s": 10.0,
+                "peak_rss_mb": peak_mb, "decode_tokens_per_s": None, "engine": None, "perplexity_ratio": None,
+                "fidelity": "needs real weights", "versions": {"executorch": executorch}}
+
+    for cells in ([cell("1.4.1", 4096.0), cell("1.5.1", 3072.0)], [cell("1.5.1", 3072.0), cell("1.4.1", 4096.0)]):
+        table = "\n".join(backend_tables(cells))
+        assert "3.00 GiB" in table and "4.00 GiB" not in table

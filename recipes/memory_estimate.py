@@ -27,8 +27,6 @@ BASE_BYTES = 0.45 * GB
 QUANTIZE_TRANSIENT = 1.5
 # export: torch.export's copies, over the quantized module;
 EXPORT_RATIO = 0.15
-# serialization: the program's flatbuffer pieces, written to the file one by one, over the .pte;
-SERIALIZE_RATIO = 2.1
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
 # Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25).
@@ -171,7 +169,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             "quantize": quantize,
             "export": before + module * (1 + EXPORT_RATIO),
             "lower": before + module + _lowering_bytes(recipe, w, pte),
-            "serialize": before + module + pte * SERIALIZE_RATIO,
+            "serialize": before + module + pte * recipe.backend.serialize_memory_ratio,
         }
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None

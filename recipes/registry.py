@@ -64,6 +64,8 @@ class Backend:
     # weight of the decoder's linears, and per weight of the embedding and the output layer.
     lowering_memory_per_weight: tuple[float, float] | None = None
     pt2e_memory_ratio: float = 3.0
+    # Serializing: the program's flatbuffer pieces and what the lowered program still holds, per byte of the .pte.
+    serialize_memory_ratio: float = 2.1
 
 
 @dataclass(frozen=True)

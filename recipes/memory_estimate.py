@@ -29,6 +29,9 @@ QUANTIZE_TRANSIENT = 1.5
 EXPORT_RATIO = 0.15
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
+# the profile's event-traced pass (recipes/profile.py): its own load of the program, the delegates' initialized
+# state and the event buffers, beside the timed run's program, over the .pte.
+PROFILE_RATIO = 3.5
 # Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25).
 EVAL_TOKENS_PER_CHAR = 0.3
 # scoring a text: its log-softmax, the reference's and their difference, over the text's logits.
@@ -175,6 +178,8 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             runs_here = recipe.backend.cannot_run_here() is None
             run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
             run["fidelity"] = run["generate"] + (sum(text_tokens) + SCORING_RATIO * max(text_tokens)) * vocab * 4
+            if runs_here:
+                run["profile"] = run["generate"] + pte * PROFILE_RATIO
         key = (recipe.quantization, recipe.export_options(max_seq_len))
         if scheme.quantize_exported is None and key not in shared:
             shared.add(key)

@@ -11,9 +11,8 @@ import subprocess
 from pathlib import Path
 
 from bench.measure import median, paired_ratio_by_run, run_measured
-from bench.scale import checkpoint_folder, lowerbench_cmd
+from bench.scale import RECIPE, checkpoint_folder, lowerbench_cmd
 
-RECIPE = "xnnpack-8da4w"
 MAX_SEQ_LEN = 512
 CURRENT, BASELINE = "current", "baseline"
 

@@ -176,12 +176,9 @@ def _runs_on(delegate_id: str) -> str:
 
 def delegate_backends(pte: Path | bytes) -> list[str]:
     """Backend ids of the delegates in a .pte, read from its flatbuffer."""
-    from executorch.exir._serialize._program import deserialize_pte_binary
+    from recipes.pte_program import delegate_ids
 
-    data = pte if isinstance(pte, bytes) else Path(pte).read_bytes()
-    program = deserialize_pte_binary(data)
-    program = getattr(program, "program", program)
-    return sorted({d.id for plan in program.execution_plan for d in plan.delegates})
+    return delegate_ids(pte)
 
 
 def runtime_step(loaded, warm: bool = True) -> Callable:

@@ -66,14 +66,12 @@ class Profile:
         return asdict(self)
 
 
-def instruction_names(pte: bytes) -> dict[int, tuple[str, str | None]]:
+def instruction_names(pte: Path | bytes) -> dict[int, tuple[str, str | None]]:
     """Instruction id -> (operator name, None) for a kernel call, (backend id, backend id) for a delegate call,
     read from the .pte's execution plan: what an ETDump event's instruction id points at."""
-    from executorch.exir._serialize._program import deserialize_pte_binary
+    from recipes.pte_program import read_program
 
-    program = deserialize_pte_binary(pte)
-    program = getattr(program, "program", program)
-    plan = next(p for p in program.execution_plan if p.name == "forward")
+    plan = next(p for p in read_program(pte).execution_plan if p.name == "forward")
     names = {}
     for index, instruction in enumerate(i for chain in plan.chains for i in chain.instructions):
         args = instruction.instr_args
@@ -173,6 +171,42 @@ def event_tracer_note() -> str:
     return NO_EVENT_TRACER.format(version=importlib.metadata.version("executorch"))
 
 
+def _traced_generation(pte_path: Path, tmp: Path, generate_once) -> tuple[dict, float, list[float]] | None:
+    """Loads the .pte with the event tracer on and runs `generate_once(step)`, writing load.etdump,
+    prefill.etdump and model.etdump into `tmp`: (their paths, the program's load ms, each step's wall ms), or
+    None when this runtime writes no ETDump. The program is released on return, before the ETDumps are read."""
+    from executorch.runtime import Runtime
+
+    started = time.perf_counter()
+    program = Runtime.get().load_program(str(pte_path), enable_etdump=True)
+    program_load_ms = 1000 * (time.perf_counter() - started)
+    step = gen.runtime_step((program, program.load_method("forward")))
+    written: dict[str, Path] = {}
+
+    def write(name: str) -> Path:
+        # The runtime writes the events since its last write and starts over: one file per phase.
+        path = tmp / name
+        program.write_etdump_result_to_file(str(path), str(tmp / f"{name}.debug"))
+        written[name] = path
+        return path
+
+    if not write("load.etdump").is_file():
+        return None
+    measured: list[float] = []
+
+    def traced_step(tokens, input_pos):
+        started = time.perf_counter()
+        logits = step(tokens, input_pos)
+        measured.append(1000 * (time.perf_counter() - started))
+        if len(measured) == 1:
+            write(PREFILL_ETDUMP_NAME)
+        return logits
+
+    generate_once(traced_step)
+    write(ETDUMP_NAME)
+    return written, program_load_ms, measured
+
+
 def profile_pte(pte_path: Path, runtime_imports: tuple[str, ...], generate_once) -> tuple[Profile | None, str | None]:
     """Loads the .pte with the event tracer on, warms it up as the timed run does, and runs `generate_once(step)`
     (the same generation); writes prefill.etdump and model.etdump beside the .pte. (profile, None), or
@@ -180,43 +214,17 @@ def profile_pte(pte_path: Path, runtime_imports: tuple[str, ...], generate_once)
     import importlib
     import importlib.metadata
 
-    from executorch.runtime import Runtime
-
     pte_path = Path(pte_path)
     out_dir = pte_path.parent
     for name in runtime_imports:
         importlib.import_module(name)
     with tempfile.TemporaryDirectory(prefix="lowerbench-etdump-") as tmp:
-        tmp = Path(tmp)
-        started = time.perf_counter()
-        program = Runtime.get().load_program(str(pte_path), enable_etdump=True)
-        program_load_ms = 1000 * (time.perf_counter() - started)
-        step = gen.runtime_step((program, program.load_method("forward")))
-        written: dict[str, Path] = {}
-
-        def write(name: str) -> Path:
-            # The runtime writes the events since its last write and starts over: one file per phase.
-            path = tmp / name
-            program.write_etdump_result_to_file(str(path), str(tmp / f"{name}.debug"))
-            written[name] = path
-            return path
-
-        if not write("load.etdump").is_file():
+        traced = _traced_generation(pte_path, Path(tmp), generate_once)
+        if traced is None:
             return None, event_tracer_note()
+        written, program_load_ms, measured = traced
         load = _load_figures(_inspector(written["load.etdump"]), program_load_ms)
-        measured: list[float] = []
-
-        def traced_step(tokens, input_pos):
-            started = time.perf_counter()
-            logits = step(tokens, input_pos)
-            measured.append(1000 * (time.perf_counter() - started))
-            if len(measured) == 1:
-                write(PREFILL_ETDUMP_NAME)
-            return logits
-
-        generate_once(traced_step)
-        write(ETDUMP_NAME)
-        names = instruction_names(pte_path.read_bytes())
+        names = instruction_names(pte_path)
         prefill = phase_profile(_runs(_inspector(written[PREFILL_ETDUMP_NAME])), names, measured[:1])
         decode_runs = _runs(_inspector(written[ETDUMP_NAME]))
         decode = phase_profile(decode_runs, names, measured[1:]) if decode_runs else None

@@ -222,11 +222,12 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
 
     prepared: dict[tuple, tuple[torch.nn.Module, str]] = {}  # quantized module and the recipe that made it
     reports = []
-    for recipe in recipes:
+    for index, recipe in enumerate(recipes):
         recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
+        needed_later = {preparation_key(later, request) for later in recipes[index + 1:]}
         report = _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir,
                              eval_reference=eval_reference, shipped_tokenizer=shipped_tokenizer,
-                             estimate=estimates[0] if estimates else None)
+                             estimate=estimates[0] if estimates else None, needed_later=needed_later)
         reports.append(report)
     summary = {"model": checkpoint.describe(), "reference": reference.to_dict() if reference else None,
                "recipes": reports}
@@ -255,10 +256,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     options = recipe_options(recipe, request)
     scheme = SCHEMES[recipe.quantization]
     export_options = recipe.export_options(request.max_seq_len)
-    # Source transforms depend on the group size only, so backends that differ in other options (SoC,
-    # compute units) still share one quantization. PT2E quantizers depend on every option: never shared.
-    key = (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
-           options.get("mixed_precision_budget"), export_options)
+    key = preparation_key(recipe, request)
     if scheme.quantize_exported is None and key in prepared:
         # The quantized module is shared; the program is exported again, because lowering leaves
         # unbacked-symbol state in an ExportedProgram that makes a second lowering of it fail.
@@ -296,6 +294,15 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     return module, program, quantization
 
 
+def preparation_key(recipe: Recipe, request: RunRequest) -> tuple:
+    """What makes two recipes' quantized modules the same. Source transforms depend on the group size only, so
+    backends that differ in other options (SoC, compute units) still share one quantization. PT2E quantizers
+    depend on every option: their modules are never shared."""
+    options = recipe_options(recipe, request)
+    return (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
+            options.get("mixed_precision_budget"), recipe.export_options(request.max_seq_len))
+
+
 def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int):
     """A PT2E scheme with the recipe's backend's quantizer: (the program to lower, the converted q/dq
     module whose eager run simulates it)."""
@@ -320,7 +327,7 @@ def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
 
 def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared_timings, recipe_dir: Path,
                 eval_reference: dict | None = None, shipped_tokenizer: dict[str, bytes] | None = None,
-                estimate=None) -> dict:
+                estimate=None, needed_later: set | None = None) -> dict:
     timings = dict(shared_timings)
     timings[STAGE_PEAKS] = dict(shared_timings.get(STAGE_PEAKS, {}))
     report = {
@@ -393,7 +400,11 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
                 report["fidelity"] = {"error": _error("fidelity", err)}
             else:
                 report["fidelity"]["layers"] = {"error": _error("layer_map", err)}
-    step = None  # the step loop's program: released before the LLM runner loads the .pte again
+    # The step loop's program and the quantized module (unless a later recipe shares it) are released before
+    # the LLM runner and the profile load the .pte again.
+    step = module = None
+    for key in [key for key in prepared if key not in (needed_later or set())]:
+        del prepared[key]
     if lowered is not None and report["errors"]:
         lowered.pte_path.unlink(missing_ok=True)  # a recipe that failed later ships no .pte
     if lowered is not None and not report["errors"]:

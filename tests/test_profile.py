@@ -110,3 +110,27 @@ def test_no_profile_leaves_the_folder_without_etdump_or_etrecord(tiny_llama_dir,
     assert report["pte"] is not None and report["profile"] is None and "--no-profile" in report["profile_note"]
     names = {p.name for p in tmp_path.iterdir()}
     assert {"model.pte", "report.json"} <= names and not names & {"etrecord.bin", "model.etdump", "prefill.etdump"}
+
+
+def test_program_table_is_read_from_the_flatbuffer_alone(tiny_profiled_run, tmp_path):
+    """The profile names instructions from the flatbuffer before the segments, never loading the payloads: a
+    .pte cut right after its flatbuffer gives the same plan as ExecuTorch's whole-file deserializer."""
+    from executorch.exir._serialize._program import _get_extended_header, deserialize_pte_binary
+
+    from recipes.pte_program import read_program
+
+    out, _ = tiny_profiled_run
+    data = (out / "xnnpack-fp32" / "model.pte").read_bytes()
+    header = _get_extended_header(data)
+    assert header is not None and header.segment_base_offset > 0
+    assert header.program_size < len(data) / 10  # the segments are most of the file
+    cut = tmp_path / "flatbuffer-only.pte"
+    cut.write_bytes(data[:header.program_size])
+    whole = deserialize_pte_binary(data).program.execution_plan[0]
+    table = read_program(cut).execution_plan[0]
+    assert table.operators == whole.operators
+    assert [d.id for d in table.delegates] == [d.id for d in whole.delegates]
+    assert {d.id for d in table.delegates} == {"XnnpackBackend"}
+    assert [type(i.instr_args) for c in table.chains for i in c.instructions] == \
+        [type(i.instr_args) for c in whole.chains for i in c.instructions]
+    assert profile.instruction_names(cut) == profile.instruction_names(out / "xnnpack-fp32" / "model.pte")

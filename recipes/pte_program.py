@@ -1,0 +1,30 @@
+"""A .pte's program table (execution plans, operators, delegate ids) read without its segments.
+
+The segments after the flatbuffer hold the delegates' payloads and the constants, nearly all of a .pte's bytes;
+what names an instruction or a delegate is in the flatbuffer before them, so only that part is read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# ExecuTorch's extended header sits in the file's first bytes (kNumHeadBytes in its extended_header.cpp).
+HEAD_BYTES = 64
+
+
+def read_program(pte: Path | bytes):
+    """The .pte's Program (executorch.exir.schema), with no segment data restored into it."""
+    from executorch.exir._serialize._program import _flatbuffer_to_program, _get_extended_header
+
+    if isinstance(pte, bytes):
+        header = _get_extended_header(pte[:HEAD_BYTES])
+        flatbuffer = pte[:header.program_size] if header else pte
+    else:
+        with open(pte, "rb") as file:
+            header = _get_extended_header(file.read(HEAD_BYTES))
+            file.seek(0)
+            flatbuffer = file.read(header.program_size) if header else file.read()
+    return _flatbuffer_to_program(flatbuffer)
+
+
+def delegate_ids(pte: Path | bytes) -> list[str]:
+    """Backend ids of the delegates in a .pte."""
+    return sorted({d.id for plan in read_program(pte).execution_plan for d in plan.delegates})

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.compute_dtype import compute_in, is_matrix
+
 ATTENTION_KINDS = ("sdpa", "custom", "sdpa-slice", "sdpa-onehot")
 NORM_FORMS = ("hf", "linear-mean")
 
@@ -43,6 +45,9 @@ class ExportOptions:
     # output range, though, would be shared by q, k and v.
     fuse_qkv: bool = False
     dtype: torch.dtype = torch.float32
+    # The dtype the matrices are kept in, when it is not `dtype` (models/compute_dtype.py): an eager fp32
+    # reference on a bf16 checkpoint holds its weights in bf16. None: `dtype`.
+    weight_dtype: torch.dtype | None = None
 
 
 class RMSNorm(nn.Module):
@@ -375,22 +380,25 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
     for prefix, unit in _units(module):
         for local_name, meta in list(unit.named_parameters()):
             name = f"{prefix}.{local_name}"
+            owner_name, _, attr = local_name.rpartition(".")
+            owner = unit.get_submodule(owner_name) if owner_name else unit
             if name == "lm_head.weight" and tied and tie_output:
                 tensor = module.model.embed_tokens.weight.data
             else:
-                parts = [_read(state_dict, source, options.dtype) for source in sources[name]]
+                dtype = options.weight_dtype if options.weight_dtype and is_matrix(owner, attr) else options.dtype
+                parts = [_read(state_dict, source, dtype) for source in sources[name]]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
                 del parts
                 if name == "lm_head.weight" and tied and not hasattr(state_dict, "read"):
                     tensor = tensor.clone()  # a dict's .to() may hand back the embedding tensor itself
             if tensor.shape != meta.shape:
                 raise ValueError(f"checkpoint tensor {name} is {tuple(tensor.shape)}, the config says {tuple(meta.shape)}")
-            owner_name, _, attr = local_name.rpartition(".")
-            owner = unit.get_submodule(owner_name) if owner_name else unit
             owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
             del tensor
         if transform_unit is not None:
             transform_unit(unit)
+    if options.weight_dtype not in (None, options.dtype):
+        compute_in(module, options.dtype)
     return module.eval()
 
 

@@ -33,6 +33,8 @@ class Generation:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     tokens: list[int] = field(default_factory=list)  # the new token ids, stop token included
+    # the dtype the engine keeps its weights in, when it computes in another (models/compute_dtype.py)
+    weights_dtype: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -29,8 +29,8 @@ QUANTIZE_TRANSIENT = 1.5
 EXPORT_RATIO = 0.15
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
-# the profile's event-traced pass (recipes/profile.py): its own load of the program, the delegates' initialized
-# state and the event buffers, beside the timed run's program, over the .pte.
+# the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized
+# state and the event buffers, over the .pte (the timed run's program and the quantized module are released).
 PROFILE_RATIO = 3.5
 # Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25).
 EVAL_TOKENS_PER_CHAR = 0.3
@@ -55,6 +55,8 @@ class JobEstimate:
     reference_dtype: torch.dtype | None  # the eager reference's dtype; None without generation
     stages: dict[str, int]  # stages before any recipe (load, reference)
     recipes: list[RecipeEstimate] = field(default_factory=list)
+    # the dtype the reference keeps its matrices in (models/compute_dtype.py); None without generation
+    reference_weight_dtype: torch.dtype | None = None
 
     @property
     def peak_stage(self) -> str:
@@ -65,7 +67,8 @@ class JobEstimate:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["reference_dtype"] = str(self.reference_dtype).replace("torch.", "") if self.reference_dtype else None
+        for name in ("reference_dtype", "reference_weight_dtype"):
+            data[name] = str(data[name]).replace("torch.", "") if data[name] else None
         data["peak_stage"] = self.peak_stage
         return data
 
@@ -77,6 +80,7 @@ class _Weights:
     output: int  # lm_head: its own copy when tied (Lowerbench quantizes it apart from the embedding)
     largest_unit: int  # weights of the largest piece the module is built in
     tied: bool
+    largest_matrix: int  # weights of the largest single matrix
 
 
 def _lowering_bytes(recipe, w: _Weights, pte: float) -> float:
@@ -99,7 +103,8 @@ def _weights(config) -> _Weights:
     per_layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate
     embedding = s.vocab_size * s.hidden
     return _Weights(per_layer * s.n_layers, embedding, embedding, max(per_layer, embedding),
-                    bool(getattr(config, "tie_word_embeddings", False)))
+                    bool(getattr(config, "tie_word_embeddings", False)),
+                    max(embedding, s.hidden * s.intermediate, s.hidden * q))
 
 
 def checkpoint_dtype(config) -> torch.dtype:
@@ -126,19 +131,21 @@ def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
 def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
                  budget_bytes: int | None = None) -> JobEstimate:
     """Peak RSS and output disk of running `recipes` (registry Recipes) on a model with this config.
-    With generation, the eager reference is fp32 when that fits in `budget_bytes` (default: this host's,
-    see memory_budget), else in the checkpoint's own dtype."""
+    With generation, the eager reference computes in fp32 on the checkpoint's own weights (a half-precision
+    checkpoint's matrices stay in its dtype, models/compute_dtype.py) when that fits in `budget_bytes` (default:
+    this host's, see memory_budget), else in the checkpoint's own dtype."""
     if generate:
         budget = memory_budget()[0] if budget_bytes is None else budget_bytes
-        fp32 = _estimate(config, recipes, max_seq_len, torch.float32)
         stored = checkpoint_dtype(config)
+        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored)
         if fp32.peak_rss_bytes <= budget or stored == torch.float32:
             return fp32
         return _estimate(config, recipes, max_seq_len, stored)
     return _estimate(config, recipes, max_seq_len, None)
 
 
-def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None) -> JobEstimate:
+def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
+              reference_weight_dtype: torch.dtype | None = None) -> JobEstimate:
     from quant.schemes import SCHEMES
 
     w = _weights(config)
@@ -151,20 +158,28 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     text_tokens = _eval_tokens() if reference_dtype is not None else []
     if reference_dtype is not None:
         ref_bytes = torch.finfo(reference_dtype).bits // 8
+        weight_dtype = reference_weight_dtype or reference_dtype
         eval_logits = sum(text_tokens) * vocab * 4
-        ref_weights = (w.linears + w.embedding + (0 if w.tied else w.output)) * ref_bytes
+        ref_weights = (w.linears + w.embedding + (0 if w.tied else w.output)) * (torch.finfo(weight_dtype).bits // 8)
+        if weight_dtype != reference_dtype:
+            ref_weights += w.largest_matrix * ref_bytes  # the one matrix upcast for the layer that runs
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
                                + window_logits + 2 * eval_logits)
         kept += eval_logits
     per_recipe = []
-    shared: set = set()
-    for recipe in recipes:
+    # a quantized module is kept while a later recipe shares it (recipes/run.py releases it after its last)
+    keys = [(r.quantization, r.export_options(max_seq_len)) if SCHEMES[r.quantization].quantize_exported is None
+            else None for r in recipes]
+    kept_modules: dict = {}
+    for index, recipe in enumerate(recipes):
         scheme = SCHEMES[recipe.quantization]
+        key = keys[index]
         lin_b, emb_b = scheme.module_bytes
         module = (w.linears + w.output) * lin_b + w.embedding * emb_b + _kv_cache_bytes(config, max_seq_len, 4)
         pte_lin, pte_emb = recipe.pte_bytes or scheme.pte_bytes
         pte = (w.linears + w.output) * pte_lin + w.embedding * pte_emb
-        before = BASE_BYTES + kept
+        before = BASE_BYTES + kept + sum(v for k, v in kept_modules.items() if k != key)
+        needed_later = key is not None and key in keys[index + 1:]
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
         if scheme.quantize_exported is not None:  # PT2E: observers and the converted copy over the float module
             quantize = before + module * recipe.backend.pt2e_memory_ratio
@@ -179,17 +194,18 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
             run["fidelity"] = run["generate"] + (sum(text_tokens) + SCORING_RATIO * max(text_tokens)) * vocab * 4
             if runs_here:
-                run["profile"] = run["generate"] + pte * PROFILE_RATIO
-        key = (recipe.quantization, recipe.export_options(max_seq_len))
-        if scheme.quantize_exported is None and key not in shared:
-            shared.add(key)
-            kept += module  # shared with later recipes of the same scheme (recipes/run.py keeps it)
+                run["profile"] = before + (module if needed_later else 0) + pte * PROFILE_RATIO + window_logits
+        if needed_later:
+            kept_modules[key] = module
+        else:
+            kept_modules.pop(key, None)
         run = {k: int(v) for k, v in run.items()}
         per_recipe.append(RecipeEstimate(recipe.name, max(run.values()), run, int(pte)))
     stages = {k: int(v) for k, v in stages.items()}
     peak = max([*stages.values(), *(r.peak_rss_bytes for r in per_recipe)])
     return JobEstimate(int(peak), sum(r.pte_bytes for r in per_recipe), int(checkpoint_bytes), reference_dtype,
-                       stages, per_recipe)
+                       stages, per_recipe,
+                       reference_weight_dtype=(reference_weight_dtype or reference_dtype) if reference_dtype else None)
 
 
 def memory_budget() -> tuple[int, str]:

@@ -199,13 +199,17 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     reference = eval_reference = None
     if request.generate:
         reference_dtype = estimates[0].reference_dtype if estimates else torch.float32
+        weight_dtype = estimates[0].reference_weight_dtype if estimates else None
         engine = REFERENCE_ENGINES[reference_dtype]
         started = stages.begin(f"generating with the {engine} reference")
         reference_module = build_exportable(
             checkpoint.config, checkpoint.state_dict,
-            ExportOptions(request.max_seq_len, attention="sdpa", dtype=reference_dtype), tie_output=True,
+            ExportOptions(request.max_seq_len, attention="sdpa", dtype=reference_dtype, weight_dtype=weight_dtype),
+            tie_output=True,
         )
         reference = _generate(gen.eager_step(reference_module), engine, checkpoint, request)
+        if weight_dtype not in (None, reference_dtype):
+            reference.weights_dtype = str(weight_dtype).replace("torch.", "")
         stages.end(started, shared_timings, "reference_generation")
         started = stages.begin(f"{engine} reference logits on the evaluation texts")
         eval_reference = {"engine": engine}

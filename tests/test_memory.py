@@ -105,6 +105,28 @@ def test_reference_in_the_checkpoint_dtype_holds_no_fp32_copy(bf16_llama_dir):
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
 
 
+def test_fp32_reference_on_bf16_weights_keeps_them_bf16_and_computes_what_the_fp32_module_does(bf16_llama_dir):
+    checkpoint = load_checkpoint(str(bf16_llama_dir))
+    built = {weights: build_exportable(checkpoint.config, checkpoint.state_dict,
+                                       ExportOptions(32, attention="sdpa", weight_dtype=weights), tie_output=True)
+             for weights in (None, torch.bfloat16)}
+    stored = built[torch.bfloat16]
+
+    norms = sum(p.numel() * 4 for n, p in stored.named_parameters() if "norm" in n)
+    assert float_bytes(stored) == norms < float_bytes(built[None]) / 10  # only the norms are kept in fp32
+    assert {p.dtype for n, p in stored.named_parameters() if "norm" not in n} == {torch.bfloat16}
+    embedding = stored.model.embed_tokens.weight
+    assert stored.lm_head.parametrizations.weight.original.data_ptr() == embedding.data_ptr()  # still tied
+    prompt, position = torch.tensor([[1, 5, 9, 3]]), torch.tensor([0])
+    for module in built.values():
+        module.reset_cache()
+    with torch.no_grad():
+        prefill = [m(prompt, position) for m in built.values()]
+        step = [m(torch.tensor([[7]]), torch.tensor([4])) for m in built.values()]
+    assert prefill[1].dtype == torch.float32
+    assert torch.equal(*prefill) and torch.equal(*step)
+
+
 def test_job_that_cannot_fit_is_refused_with_numbers_before_any_weight_download(hub, tmp_path, monkeypatch):
     from recipes.run import RunRequest, run
 

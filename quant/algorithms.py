@@ -49,9 +49,19 @@ def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> No
 
     if algorithm in offered:
         return
+    from quant.schemes import SCHEMES
+
     why = UNAVAILABLE.get(algorithm)
     if why is None and algorithm in ALGORITHMS:
-        why = f"{scheme} has no int4 group-wise weights"
+        pt2e = SCHEMES[scheme].quantize_exported is not None and SCHEMES[scheme].int4_config is not None
+        if pt2e and algorithm == "spinquant":
+            why = (f"SpinQuant's rotations gave a larger error than minmax under {scheme}'s PT2E quantizer, whose "
+                   "16-bit activations leave it only the weights' outliers to spread")
+        elif pt2e:
+            why = (f"the backend's PT2E quantizer sets {scheme}'s qparams from its observers; only algorithms that "
+                   "transform the float weights before it are offered")
+        else:
+            why = f"{scheme} has no int4 group-wise weights"
     raise UserFacingError(
         f"quant algorithm {algorithm!r} is not offered for {scheme}" + (f" ({why})" if why else "")
         + f"; choose one of: {', '.join(offered)}."

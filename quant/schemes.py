@@ -153,6 +153,8 @@ def _fp16(module: nn.Module, args: QuantArgs) -> None:
 # allowance. Weight-only int4 keeps min/max until measured on the backends that take it.
 INT4_ALGORITHMS = ("minmax", "hqq", "awq", "spinquant")
 DYNAMIC_INT4_ALGORITHMS = ("hqq", "minmax", "awq", "spinquant")
+PT2E_INT4_ALGORITHMS = ("minmax", "awq")
+PT2E_INT4_BLOCK = 32
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
@@ -183,8 +185,12 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16, layerwise=False,
                module_bytes=(2.0, 2.0), pte_bytes=(2.0, 2.0)),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.
+        # The backend's quantizer sets a PT2E scheme's qparams from its observers; what an algorithm can do
+        # before it is transform the float weights: AWQ's scales, searched against symmetric int4 blocks of 32,
+        # the weights the quantizer makes.
         Scheme("16a4w", "PT2E, calibrated: 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer",
-               quantize_exported=quantize_pt2e, layerwise=False),
+               quantize_exported=quantize_pt2e, layerwise=False, algorithms=PT2E_INT4_ALGORITHMS,
+               int4_config=lambda group_size, algorithm: config_weight_only(4, PT2E_INT4_BLOCK)),
         Scheme("16a8w", "PT2E, calibrated: 16-bit activations, 8-bit per-channel weights",
                quantize_exported=quantize_pt2e, layerwise=False),
         Scheme("8a8w", "PT2E, calibrated: 8-bit activations, 8-bit per-channel weights",

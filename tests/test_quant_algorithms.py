@@ -67,6 +67,43 @@ def test_the_comparison_fails_on_a_worse_setting(random_llama):
                                      _logits_error(random_llama, "minmax"))
 
 
+def _pt2e_logits_error(random_llama, algorithm):
+    """Relative squared error against fp32 of the qnn-16a4w PT2E simulation (QnnQuantizer's converted q/dq
+    module), after the algorithm's float weight transform."""
+    from models.llama import build_exportable
+    from quant.schemes import prepare_for_scheme, quant_args
+    from recipes.lowering import export_program
+    from recipes.registry import get_recipe
+    from recipes.run import quantize_exported
+
+    config, state_dict, tokens, calibration = random_llama
+    recipe = get_recipe("qnn-16a4w")
+    reference = build_exportable(config, state_dict, recipe.export_options(64))
+    module = build_exportable(config, state_dict, recipe.export_options(64))
+    prepare_for_scheme(module, "16a4w", quant_args("16a4w", None, algorithm, calibration))
+    program = export_program(module, 64, strict=recipe.backend.strict_export)
+    prompts = [(calibration[0], torch.tensor([0])), (tokens[:, :30], torch.tensor([0]))]
+    _, simulated = quantize_exported(recipe, program, prompts, {"quant_algorithm": algorithm}, 64)
+    with torch.no_grad():
+        reference.reset_cache()
+        expected = reference(tokens, torch.tensor([0]))
+        got = simulated(tokens, torch.tensor([0]))
+    return ((got - expected).pow(2).mean() / expected.pow(2).mean()).item()
+
+
+def test_awq_is_no_worse_than_minmax_under_the_pt2e_16a4w_quantizer(random_llama):
+    _assert_no_worse_than_minmax(_pt2e_logits_error(random_llama, "awq"), _pt2e_logits_error(random_llama, "minmax"))
+
+
+def test_pt2e_scheme_refuses_hqq_and_spinquant_with_why():
+    from quant.quantize import check_options
+
+    with pytest.raises(UserFacingError, match="PT2E quantizer sets 16a4w's qparams from its observers.*minmax, awq"):
+        check_options("16a4w", {"quant_algorithm": "hqq"})
+    with pytest.raises(UserFacingError, match="larger error than minmax under 16a4w's PT2E quantizer"):
+        check_options("16a4w", {"quant_algorithm": "spinquant"})
+
+
 @pytest.mark.parametrize("algorithm", ["awq", "spinquant"])
 def test_weight_transforms_keep_the_fp32_function_and_the_checkpoint(random_llama, algorithm):
     """AWQ's folded scales and SpinQuant's rotations are exact in fp32, and leave the loaded weights alone."""

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.compute_dtype import compute_in, is_matrix
+from models.compute_dtype import compute_in
 
 ATTENTION_KINDS = ("sdpa", "custom", "sdpa-slice", "sdpa-onehot")
 NORM_FORMS = ("hf", "linear-mean")
@@ -45,8 +45,8 @@ class ExportOptions:
     # output range, though, would be shared by q, k and v.
     fuse_qkv: bool = False
     dtype: torch.dtype = torch.float32
-    # The dtype the matrices are kept in, when it is not `dtype` (models/compute_dtype.py): an eager fp32
-    # reference on a bf16 checkpoint holds its weights in bf16. None: `dtype`.
+    # The dtype the decoder layers' linear weights are kept in, when it is not `dtype` (models/compute_dtype.py):
+    # an eager fp32 reference on a bf16 checkpoint holds them in bf16. None: `dtype`.
     weight_dtype: torch.dtype | None = None
 
 
@@ -385,7 +385,9 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
             if name == "lm_head.weight" and tied and tie_output:
                 tensor = module.model.embed_tokens.weight.data
             else:
-                dtype = options.weight_dtype if options.weight_dtype and is_matrix(owner, attr) else options.dtype
+                # The vocabulary-sized matrix stays in `dtype`: its scratch would be as large as itself.
+                keep_stored = prefix.startswith("model.layers.") and isinstance(owner, nn.Linear) and attr == "weight"
+                dtype = options.weight_dtype if options.weight_dtype and keep_stored else options.dtype
                 parts = [_read(state_dict, source, dtype) for source in sources[name]]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
                 del parts

@@ -80,7 +80,7 @@ class _Weights:
     output: int  # lm_head: its own copy when tied (Lowerbench quantizes it apart from the embedding)
     largest_unit: int  # weights of the largest piece the module is built in
     tied: bool
-    largest_matrix: int  # weights of the largest single matrix
+    per_layer: int  # weights of one decoder layer's linears
 
 
 def _lowering_bytes(recipe, w: _Weights, pte: float) -> float:
@@ -104,7 +104,7 @@ def _weights(config) -> _Weights:
     embedding = s.vocab_size * s.hidden
     return _Weights(per_layer * s.n_layers, embedding, embedding, max(per_layer, embedding),
                     bool(getattr(config, "tie_word_embeddings", False)),
-                    max(embedding, s.hidden * s.intermediate, s.hidden * q))
+                    per_layer)
 
 
 def checkpoint_dtype(config) -> torch.dtype:
@@ -160,9 +160,9 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         ref_bytes = torch.finfo(reference_dtype).bits // 8
         weight_dtype = reference_weight_dtype or reference_dtype
         eval_logits = sum(text_tokens) * vocab * 4
-        ref_weights = (w.linears + w.embedding + (0 if w.tied else w.output)) * (torch.finfo(weight_dtype).bits // 8)
+        ref_weights = w.linears * (torch.finfo(weight_dtype).bits // 8) + (w.embedding + (0 if w.tied else w.output)) * ref_bytes
         if weight_dtype != reference_dtype:
-            ref_weights += w.largest_matrix * ref_bytes  # the one matrix upcast for the layer that runs
+            ref_weights += w.per_layer * ref_bytes  # an fp32 scratch per weight shape of a decoder layer
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
                                + window_logits + 2 * eval_logits)
         kept += eval_logits

@@ -3,6 +3,7 @@
 This is the function both `python -m recipes run` and the app call."""
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import resource
@@ -223,6 +224,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
                 reference_module, windows_of(eval_reference["eval"][0], request.max_seq_len))
         stages.end(started, shared_timings, "reference_fidelity")
         del reference_module
+        gc.collect()  # a parametrized module (models/compute_dtype.py) is freed by the cycle collector only
 
     prepared: dict[tuple, tuple[torch.nn.Module, str]] = {}  # quantized module and the recipe that made it
     reports = []

@@ -107,6 +107,12 @@ def _weights(config) -> _Weights:
                     per_layer)
 
 
+def parameter_count(config) -> int:
+    """The weights of a Llama with this config (norms aside), a tied output layer counted once."""
+    w = _weights(config)
+    return w.linears + w.embedding + (0 if w.tied else w.output)
+
+
 def checkpoint_dtype(config) -> torch.dtype:
     name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(name, torch.dtype):

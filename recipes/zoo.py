@@ -123,10 +123,10 @@ def preferred_cell(cells: list[dict]) -> dict:
     """Of the cells of one model × recipe, a finished full job's first (it has decode and fidelity figures),
     then a finished export-only one; of equal ones, the one measured on the newest executorch (a matrix re-run
     after a version change adds cells beside the old ones)."""
-    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"), _executorch_version(c)))
+    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"), executorch_version(c)))
 
 
-def _executorch_version(cell: dict) -> tuple[int, ...]:
+def executorch_version(cell: dict) -> tuple[int, ...]:
     version = (cell.get("versions") or {}).get("executorch", "")
     return tuple(int(part) for part in version.split("+")[0].split(".") if part.isdigit())
 

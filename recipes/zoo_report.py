@@ -68,7 +68,7 @@ def reasons(cells: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def readme_text(document: dict) -> str:
+def readme_text(document: dict, scaling: bool = False) -> str:
     cells = document["cells"]
     weights = sorted({c["weights"] for c in cells})
     versions = cells[0]["versions"] if cells else {}
@@ -85,6 +85,7 @@ def readme_text(document: dict) -> str:
         f"Weights: {'; '.join(weights)}. Delegation, size, export time and memory do not depend on the weights' "
         "values; perplexity does, so random-weight cells say \"needs real weights\".", "",
         "![status heatmap](heatmap.png)", "",
+        *(["![export-only cost against parameter count](scaling.png)", ""] if scaling else []),
         *backend_tables(cells),
         *reasons(cells),
     ]) + "\n"
@@ -128,6 +129,13 @@ def write_heatmap(cells: list[dict], path: Path) -> None:
 
 
 def write_readme(document: dict, folder: Path) -> None:
-    write_atomically(Path(folder) / "README.md", readme_text(document).encode())
+    from recipes.memory_estimate import parameter_count
+    from recipes.zoo import find_entry
+    from recipes.zoo_scaling import scaling_series, write_scaling_plot
+
+    series = scaling_series(document["cells"], lambda model: parameter_count(find_entry(model).llama_config()))
+    write_atomically(Path(folder) / "README.md", readme_text(document, scaling=bool(series)).encode())
     if document["cells"]:
         write_heatmap(document["cells"], Path(folder) / "heatmap.png")
+    if series:
+        write_scaling_plot(series, Path(folder) / "scaling.png")

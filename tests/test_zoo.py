@@ -108,3 +108,24 @@ def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
     for cells in ([cell("1.4.1", 4096.0), cell("1.5.1", 3072.0)], [cell("1.5.1", 3072.0), cell("1.4.1", 4096.0)]):
         table = "\n".join(backend_tables(cells))
         assert "3.00 GiB" in table and "4.00 GiB" not in table
+
+
+def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_cells(tmp_path):
+    from recipes.zoo_scaling import scaling_series, write_scaling_plot
+
+    def cell(model, recipe, peak_mb, executorch="1.5.1", export_only=True, status="ok"):
+        return {"model": model, "recipe": recipe, "status": status, "export_only": export_only,
+                "peak_rss_mb": peak_mb, "pte_mb": peak_mb and peak_mb / 4, "versions": {"executorch": executorch}}
+
+    params = {"small": 1e8, "mid": 1e9, "big": 3e9}
+    cells = [cell("big", "xnnpack-8da4w", 6144.0), cell("small", "xnnpack-8da4w", 1024.0),
+             cell("mid", "xnnpack-8da4w", 4096.0, executorch="1.4.1"), cell("mid", "xnnpack-8da4w", 3072.0),
+             cell("mid", "xnnpack-8da4w", 9999.0, export_only=False),  # a full job: not an export-only cost
+             cell("small", "coreml-int4", 2048.0), cell("mid", "coreml-int4", 8192.0),
+             cell("big", "coreml-int4", None, status="refused")]  # two finished models: no line
+    series = scaling_series(cells, params.get)
+
+    assert list(series) == ["xnnpack-8da4w"]
+    assert [(p["model"], p["peak_gib"]) for p in series["xnnpack-8da4w"]] == [("small", 1.0), ("mid", 3.0), ("big", 6.0)]
+    write_scaling_plot(series, tmp_path / "scaling.png")
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

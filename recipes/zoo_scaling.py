@@ -1,0 +1,60 @@
+"""zoo/scaling.png: what an export-only job costs against the model's parameter count, one line per recipe,
+from the matrix's finished export-only cells (of a model measured twice, the cell the zoo shows)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from recipes.lowering import write_atomically
+from recipes.zoo import executorch_version, preferred_cell
+
+# A line needs this many models to say anything about how the cost grows.
+MIN_MODELS = 3
+
+
+def scaling_series(cells: list[dict], parameters_of) -> dict[str, list[dict]]:
+    """recipe -> [{model, params, peak_gib, pte_gb}] sorted by params, for recipes finished export-only on at
+    least MIN_MODELS models. `parameters_of(model repo id)` gives a model's parameter count."""
+    finished = [c for c in cells if c["status"] == "ok" and c.get("export_only") and c.get("peak_rss_mb")]
+    series: dict[str, list[dict]] = {}
+    for recipe in sorted({c["recipe"] for c in finished}):
+        points = []
+        for model in dict.fromkeys(c["model"] for c in finished if c["recipe"] == recipe):
+            cell = preferred_cell([c for c in finished if (c["model"], c["recipe"]) == (model, recipe)])
+            points.append({"model": model, "params": parameters_of(model), "peak_gib": cell["peak_rss_mb"] / 1024,
+                           "pte_gb": (cell.get("pte_mb") or 0) / 1000, "executorch": executorch_version(cell)})
+        if len(points) >= MIN_MODELS:
+            series[recipe] = sorted(points, key=lambda p: p["params"])
+    return series
+
+
+def write_scaling_plot(series: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    newest = max((p["executorch"] for points in series.values() for p in points), default=())
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for recipe, points in series.items():
+        x = [p["params"] / 1e9 for p in points]
+        for ax, key in zip(axes, ("peak_gib", "pte_gb")):
+            line, = ax.plot(x, [p[key] for p in points], label=recipe)
+            for point, at in zip(points, x):  # hollow: measured on an older executorch than the newest here
+                ax.plot(at, point[key], "o", color=line.get_color(),
+                        markerfacecolor=line.get_color() if point["executorch"] == newest else "white")
+    for ax, label in zip(axes, ("peak RSS, export-only (GiB)", ".pte size (GB)")):
+        ax.set_xlabel("parameters (billions)")
+        ax.set_ylabel(label)
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    version = ".".join(map(str, newest))
+    fig.suptitle(f"Lowerbench zoo: export-only cost against model size (filled: executorch {version}; "
+                 "hollow: an earlier one)", fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    write_atomically(path, tmp.read_bytes())
+    tmp.unlink()

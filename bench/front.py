@@ -195,16 +195,16 @@ def is_default(row: dict) -> bool:
     return (row["algorithm"], row["group_size"], row["mixed_precision_budget"]) == tuple(DEFAULT.values())
 
 
-def beats_default(row: dict, default: dict | None) -> bool:
-    """Faster decode on the same engine and a lower perplexity ratio than the default's row of the same model,
-    both measured."""
+def beats_default(row: dict, default: dict | None, noise: float = 0.0) -> bool:
+    """Faster decode on the same engine, by more than the fraction `noise`, and a lower perplexity ratio than
+    the default's row of the same model, both measured."""
     if default is None or is_default(row) or row["shape"] != default["shape"]:
         return False
     speeds = (row.get("decode_tokens_per_s"), default.get("decode_tokens_per_s"))
     ratios = (row.get("perplexity_ratio"), default.get("perplexity_ratio"))
     if None in speeds or None in ratios or row.get("decode_engine") != default.get("decode_engine"):
         return False
-    return speeds[0] > speeds[1] and ratios[0] < ratios[1]
+    return speeds[0] > speeds[1] * (1 + noise) and ratios[0] < ratios[1]
 
 
 def program_rows(data: dict) -> list[dict]:
@@ -247,13 +247,20 @@ def same_program_decode_range(rows: list[dict]) -> dict[str, list[float]]:
     return {key: [min(v), max(v)] for key, v in found.items() if len(v) > 1}
 
 
+def decode_noise(spread: dict[str, list[float]]) -> float:
+    """The largest relative spread of one program's decode speed: a smaller speed-up is not one."""
+    return round(max((hi / lo - 1 for lo, hi in spread.values()), default=0.0), 4)
+
+
 def summarize_front(data: dict) -> dict:
     builtin = [front_row(r) for r in data["runs"] if r["full_job"]]
     defaults = {row["shape"]: row for row in builtin if is_default(row) and row["ok"]}
+    spread = same_program_decode_range(builtin)
+    noise = decode_noise(spread)
     for row in builtin:
-        row["beats_default"] = beats_default(row, defaults.get(row["shape"]))
+        row["beats_default"] = beats_default(row, defaults.get(row["shape"]), noise)
     programs = program_rows(data)
     for row in programs:
         row["beats_default"] = None
     return {"rows": builtin + programs, "same_bytes_across_algorithms": same_bytes_across_algorithms(builtin),
-            "same_program_decode_range": same_program_decode_range(builtin)}
+            "same_program_decode_range": spread, "decode_noise": noise}

@@ -8,12 +8,15 @@
     python3 -m bench --phases versions --runs 2 --baseline-python OTHER/bin/python --baseline-root OTHER_CHECKOUT
                                                     (this install against another, e.g. the previous executorch
                                                      pin, bench/versions.py; not a default phase)
+    python3 -m bench --phases front --runs 3 --scale-dir DIR
+                                                    (int4 group size and weight algorithm against weight bytes,
+                                                     decode speed and fidelity, bench/front.py; not a default phase)
     python3 -m bench --phases runner --runs 5       (ExecuTorch's LLM runner on Lowerbench's and optimum's .pte,
                                                      and the Python step loop on both, bench/runner.py)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
-Results: bench/results/<phase>.json, bench/results/README.md (tables), bench/results/scaling.png.
+Results: bench/results/<phase>.json, bench/results/README.md (tables), bench/results/*.png.
 `bash bench/setup.sh` first (llama-cpp-python, matplotlib, the optimum-executorch venv)."""
 from __future__ import annotations
 
@@ -441,11 +444,28 @@ def summarize_versions(data: dict) -> dict:
     return versions.summarize_versions(data)
 
 
+def phase_front(args, hf: Path) -> dict:
+    from bench import front
+
+    def save(partial: dict) -> None:
+        meta = {**args.phase_meta, "load_average_after": load_average()}
+        save_phase("front", meta, json.loads(json.dumps(partial)))
+
+    return front.phase_front(args, hf, TMP, PY, ROOT, run_interleaved, _progress, save)
+
+
+def summarize_front(data: dict) -> dict:
+    from bench import front
+
+    return front.summarize_front(data)
+
+
 PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase_runner, summarize_runner, "engine"), "export": (phase_export, summarize_export, "peer"),
           "scale": (phase_scale, summarize_scale, "peer"),
           "scaling": (phase_scaling, summarize_scaling, "layers"),
           "breakdown": (phase_breakdown, summarize_breakdown, "variant"),
-          "versions": (phase_versions, summarize_versions, "install")}
+          "versions": (phase_versions, summarize_versions, "install"),
+          "front": (phase_front, summarize_front, "shape")}
 
 
 def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
@@ -473,7 +493,7 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
     in piece by piece (each run record keeps its own time and load average)."""
     _run, summarize, key = PHASES[name]
     path = RESULTS / f"{name}.json"
-    if meta["peers"] and path.is_file() and name != "scale":
+    if meta["peers"] and path.is_file() and name not in ("scale", "front"):
         old = json.loads(path.read_text())
         kept = [r for r in old["runs"] if str(r[key]) not in meta["peers"]]
         result["runs"] = kept + result["runs"]
@@ -483,6 +503,10 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
         meta["earlier_meta"] = old["meta"]
     if name == "scale" and path.is_file():
         keep_other_shapes(json.loads(path.read_text()), meta, result)
+    if name == "front" and path.is_file():
+        from bench.front import keep_unmeasured
+
+        keep_unmeasured(json.loads(path.read_text()), meta, result)
     data = {"meta": meta, **result}
     data.update(summarize(data))
     path.write_text(json.dumps(data, indent=2))
@@ -515,6 +539,12 @@ def main() -> None:
                         help="versions phase: the shapes whose .pte each install also decodes")
     parser.add_argument("--scale-memory-gb", type=float, default=12.0,
                         help="scale phase: shapes whose export-only estimate is higher are not run")
+    parser.add_argument("--front-shapes", default="smollm2-135m,llama-3.2-1b",
+                        help="front phase: the built-in model (full jobs) and shapes of bench/scale_models.py "
+                        "(export-only, random weights; checkpoints under --scale-dir)")
+    parser.add_argument("--front-groups", default="32,128,64,256",
+                        help="front phase: group sizes to try, in this order; those that do not divide a "
+                        "model's widths are left out")
     args = parser.parse_args()
     args.layers = [int(x) for x in args.layers.split(",") if x]
     args.skip = [x for x in args.skip.split(",") if x]
@@ -526,6 +556,7 @@ def main() -> None:
                 "runs_requested": args.runs, "load_average_before": load_average(), "note": args.note,
                 "peers": args.peers}
         _progress(f"phase {name}")
+        args.phase_meta = meta  # a phase that saves as it goes (front) saves under the same meta
         result = PHASES[name][0](args, hf)
         meta["load_average_after"] = load_average()
         save_phase(name, meta, result)

@@ -45,9 +45,11 @@ def export_only_estimate_gb(config: dict, recipes: list[str], generate: bool = F
     return round(estimate.peak_rss_bytes / 1e9, 2)
 
 
-def lowerbench_cmd(py: str, folder: Path, out: Path, recipe: str, max_seq_len: int, full: bool) -> list[str]:
-    return [py, "-m", "recipes", "run", "--model", str(folder), "--recipe", recipe, "--max-seq-len",
-            str(max_seq_len), *([] if full else ["--export-only"]), "--out", str(out)]
+def lowerbench_cmd(py: str, folder: Path | None, out: Path, recipe: str, max_seq_len: int, full: bool,
+                   options: tuple[str, ...] = ()) -> list[str]:
+    """folder None: the built-in model. options: more `recipes run` flags, e.g. ("--group-size", "64")."""
+    return [py, "-m", "recipes", "run", *([] if folder is None else ["--model", str(folder)]), "--recipe", recipe,
+            "--max-seq-len", str(max_seq_len), *options, *([] if full else ["--export-only"]), "--out", str(out)]
 
 
 def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_not, progress) -> dict:

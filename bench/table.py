@@ -324,6 +324,136 @@ def versions_table(data: dict) -> list[str]:
     return lines
 
 
+def _front_meta_lines(data: dict) -> list[str]:
+    runs = data["settings"].get("decode_runs")
+    how = "built-in model: one full job per row, one after another in one invocation" + (
+        f"; random-weight shapes: median of {runs} decode runs per .pte, the programs in turn within each run"
+        if any(not r["full_job"] for r in data["rows"]) else "")
+    lines = [_meta_line(data["meta"], how)]
+    earlier = data["meta"].get("earlier_meta")
+    while earlier:
+        lines.append("earlier rows: " + _meta_line(earlier, how))
+        earlier = earlier.get("earlier_meta")
+    return lines
+
+
+def _front_beats(row: dict) -> str:
+    from bench.front import is_default
+
+    if row["beats_default"] is None:
+        return "– (fidelity not measured)"
+    if is_default(row):
+        return "the default"
+    return "**yes**" if row["beats_default"] else "no"
+
+
+def _front_8bit(row: dict) -> str:
+    if not row.get("layers_8bit"):
+        return "–" if not row["mixed_precision_budget"] else "none fit"
+    return (f"{len(row['layers_8bit'])} layers ({', '.join(map(str, row['layers_8bit']))}), "
+            f"+{fmt(row['extra_bytes_per_token'] / 1e6, 2)} MB/token")
+
+
+def _front_engine(row: dict) -> str:
+    if not row["decode_engine"]:
+        return "–"
+    return row["decode_engine"] + (f", {row['new_tokens']} tokens" if row.get("new_tokens") else "")
+
+
+def front_table(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [f"### Speed–quality front of {s['recipe']} (int4 weight groups and algorithms; max context "
+             f"{s['max_seq_len']}, {s['threads']} threads)", *_front_meta_lines(data), "",
+             "![perplexity ratio against weight bytes per token and decode speed](front.png)", "",
+             "| model | algorithm | group | 8-bit layers | weight MB/token | .pte MB | perplexity ratio (eval / held-out) "
+             "| top-1 % (eval / held-out) | fidelity engine | decode tok/s | prefill tok/s | decode engine "
+             "| quantize s | beats the default on both |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        weights = "built-in" if row["full_job"] else "random weights"
+        failed = "" if row["ok"] else " (failed, see its log)"
+        lines.append(
+            f"| {row['shape']} ({weights}) | {row['algorithm']}{failed} | {row['group_size']} | {_front_8bit(row)} "
+            f"| {fmt(row['weight_mb_per_token'], 2)} | {fmt(row['pte_mb'])} "
+            + (f"| {fmt(row['perplexity_ratio'], 3)} / {fmt(row['heldout_perplexity_ratio'], 3)} "
+               f"| {fmt(row['top1_agreement_percent'])} / {fmt(row['heldout_top1_agreement_percent'])} "
+               f"| {row['fidelity_engine'] or '–'} " if row["full_job"] else f"| {row['fidelity_engine']} | | | ")
+            + f"| {fmt(row['decode_tokens_per_s'])} | {fmt(row['prefill_tokens_per_s'])} "
+            f"| {_front_engine(row)} "
+            f"| {fmt(row['quantize_s'])} | {_front_beats(row)} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| {name} | not run: {why} | | | | | | | | | | | | |")
+    same = data.get("same_bytes_across_algorithms") or {}
+    if same:
+        lines += ["", "Weight bytes per token equal across the algorithms at one group size (the algorithm "
+                      "changes the values, not the program): "
+                  + "; ".join(f"{k} {'yes' if v['same'] else '**no**'} ({', '.join(v['algorithms'])})"
+                              for k, v in same.items()) + "."]
+    spread = data.get("same_program_decode_range") or {}
+    if spread:
+        lines += ["", "Decode tok/s of one program across its algorithm rows (run-to-run noise a speed difference "
+                      "has to exceed): " + ", ".join(f"{k} {fmt(lo)}–{fmt(hi)}" for k, (lo, hi) in spread.items()) + "."]
+    lines += ["", "Beats the default on both: decode faster than minmax g32 (optimum-executorch's default, "
+                  "`--qlinear 8da4w`, group 32) on the same engine, measured in the same invocation, by more than the "
+                  f"largest spread of one program above ({data.get('decode_noise', 0):.1%}), and a lower "
+                  "perplexity ratio against fp32 eager on the evaluation text. Decode tok/s of the built-in rows is the "
+                  "recipe's own sample generation (the fp32 reference left out). Fidelity needs real weights: the "
+                  "random-weight shapes show bytes and speed only, timed with minmax, since every algorithm makes the "
+                  "same program at one group size."]
+    return lines
+
+
+def front_plot(data: dict, path: Path) -> None:
+    """Perplexity ratio against weight bytes per token and against decode speed on the built-in model, one
+    marker per algorithm, each point labelled by its group size; and decode speed against bytes per token of
+    the random-weight shapes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.front import is_default
+
+    markers = {"minmax": "o", "hqq": "s", "awq": "^", "spinquant": "D"}
+    real = [r for r in data["rows"] if r["full_job"] and r["ok"] and r["perplexity_ratio"]]
+    shapes = [r for r in data["rows"] if not r["full_job"] and r["ok"] and r["decode_tokens_per_s"]]
+    fig, axes = plt.subplots(1, 3 if shapes else 2, figsize=(15 if shapes else 10, 4.4))
+    for ax, key, label in ((axes[0], "weight_mb_per_token", "weight MB read per token"),
+                           (axes[1], "decode_tokens_per_s", "decode tok/s")):
+        for algorithm, marker in markers.items():
+            rows = [r for r in real if r["algorithm"] == algorithm]
+            ax.scatter([r[key] for r in rows], [r["perplexity_ratio"] for r in rows], marker=marker, label=algorithm)
+            for r in rows:
+                text = (f"g{r['group_size']}" + (" +8-bit" if r["mixed_precision_budget"] else "")
+                        + (" (optimum's default)" if is_default(r) else " ★" if r.get("beats_default") else ""))
+                ax.annotate(text, (r[key], r["perplexity_ratio"]), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7)
+        ax.set_xlabel(label)
+        ax.set_ylabel("perplexity ratio vs fp32 (lower is better)")
+    engines = sorted({r["decode_engine"] for r in real if r["decode_engine"]})
+    fidelity = sorted({r["fidelity_engine"] for r in real if r["fidelity_engine"]})
+    axes[0].set_title(f"{real[0]['shape'] if real else ''}: fidelity on {', '.join(fidelity)}", fontsize=9)
+    axes[1].set_title(f"decode on {', '.join(engines)}", fontsize=9)
+    axes[0].legend(fontsize=8)
+    if shapes:
+        for shape in dict.fromkeys(r["shape"] for r in shapes):
+            rows = sorted((r for r in shapes if r["shape"] == shape), key=lambda r: r["weight_mb_per_token"])
+            axes[2].plot([r["weight_mb_per_token"] for r in rows], [r["decode_tokens_per_s"] for r in rows],
+                         marker="o", label=f"{shape} (random weights, minmax)")
+            for r in rows:
+                axes[2].annotate(f"g{r['group_size']}", (r["weight_mb_per_token"], r["decode_tokens_per_s"]),
+                                 textcoords="offset points", xytext=(4, 4), fontsize=7)
+        axes[2].set_xlabel("weight MB read per token")
+        axes[2].set_ylabel("decode tok/s")
+        axes[2].set_title(f"decode on {shapes[0]['decode_engine']}", fontsize=9)
+        axes[2].legend(fontsize=8)
+    meta = data["meta"]
+    fig.suptitle(f"xnnpack-8da4w int4 front ({meta['date'][:10]}, {meta['machine']['cpu']}, "
+                 f"{data['settings']['threads']} threads; ★ beats optimum's default on both)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def ratio_cell(value) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
@@ -333,7 +463,7 @@ def write_all(results: Path) -> None:
              "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
     for name, render in (("decode", decode_table), ("runner", runner_table), ("export", export_table),
                          ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table),
-                         ("versions", versions_table)):
+                         ("versions", versions_table), ("front", front_table)):
         path = results / f"{name}.json"
         if not path.is_file():
             lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]
@@ -345,6 +475,8 @@ def write_all(results: Path) -> None:
         if name == "scale" and data["shapes"]:
             scale_plot(data, results / "scale.png")
             lines += ["![export cost vs model size](scale.png)", ""]
+        if name == "front" and data["rows"]:
+            front_plot(data, results / "front.png")
     (results / "README.md").write_text("\n".join(lines))
 
 

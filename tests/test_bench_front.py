@@ -1,0 +1,118 @@
+"""bench/front.py's pure parts: which group sizes a model takes, the rows of its reports, and which rows beat
+optimum-executorch's default (minmax, group 32) on both decode speed and fidelity."""
+from bench.front import (RANDOM_WEIGHTS, beats_default, builtin_jobs, fitting_group_sizes, front_row, keep_unmeasured,
+                         report_extract, summarize_front)
+from bench.scale_models import CONFIGS
+from bench.table import front_table
+
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "num_hidden_layers": 30, "vocab_size": 49152}
+META = {"date": "2026-01-01T00:00:00+00:00", "machine": {"cpu": "Some CPU", "cores": 2, "ram_gb": 24},
+        "runs_requested": 3, "load_average_before": [1.0], "load_average_after": [1.0], "note": ""}
+
+
+def _report(bytes_per_token, ppl_ratio, decode, engine="executorch-llm-runner", layers_8bit=None):
+    mixed = {"layers_8bit": layers_8bit, "extra_bytes_per_token": 2_000_000} if layers_8bit else None
+    return {"quantization": {"weight_bytes_per_token": bytes_per_token,
+                             **({"mixed_precision": mixed} if mixed else {})},
+            "fidelity": None if ppl_ratio is None else {
+                "engine": "executorch-runtime", "perplexity_ratio": ppl_ratio, "top1_agreement_percent": 60.0,
+                "heldout": {"perplexity_ratio": round(ppl_ratio + 0.1, 3), "top1_agreement_percent": 58.0},
+                "layers": [{"big": "per-layer map"}]},
+            "generations": [{"engine": "eager-fp32", "decode_tokens_per_s": 5.0, "tokens": [1]},
+                            {"engine": engine, "decode_tokens_per_s": decode, "prefill_tokens_per_s": 200.0,
+                             "new_tokens": 32, "tokens": [1, 2]}],
+            "timings_s": {"quantize": 3.0}, "pte": {"bytes": 100_000_000}}
+
+
+def _run(algorithm, group, report, budget=0.0, shape="smollm2-135m", full=True, returncode=0):
+    return {"shape": shape, "algorithm": algorithm, "group_size": group, "mixed_precision_budget": budget,
+            "full_job": full, "returncode": returncode, "wall_s": 100.0, "peak_rss_mb": 2000.0,
+            "report": report_extract(report)}
+
+
+def _row(algorithm, group, ppl_ratio, decode, engine="executorch-llm-runner"):
+    return front_row(_run(algorithm, group, _report(70_000_000, ppl_ratio, decode, engine)))
+
+
+def test_only_group_sizes_that_divide_every_linear_width_are_tried_in_the_given_order():
+    assert fitting_group_sizes(SMOLLM2_135M, [32, 64, 128, 256]) == [32, 64]
+    assert fitting_group_sizes(CONFIGS["llama-3.2-1b"], [32, 128, 64, 256]) == [32, 128, 64, 256]
+    assert fitting_group_sizes({**SMOLLM2_135M, "intermediate_size": 1440}, [32, 64, 128, 256]) == [32]
+
+
+def test_the_built_in_jobs_are_every_algorithm_at_every_fitting_group_plus_one_mixed_precision_job():
+    jobs = builtin_jobs([32, 64])
+    assert len(jobs) == 9
+    assert {(j["algorithm"], j["group_size"]) for j in jobs if not j["mixed_precision_budget"]} == {
+        (a, g) for a in ("minmax", "hqq", "awq", "spinquant") for g in (32, 64)}
+    assert [(j["algorithm"], j["group_size"], j["mixed_precision_budget"]) for j in jobs][:5] == [
+        ("minmax", 32, 0.0), ("minmax", 64, 0.0), ("hqq", 32, 0.0), ("hqq", 64, 0.0), ("hqq", 32, 0.15)]
+    assert all(not j["mixed_precision_budget"] for j in builtin_jobs([64]))
+
+
+def test_a_row_beats_the_default_only_when_both_faster_and_closer_to_fp32_on_the_same_engine():
+    default = _row("minmax", 32, 1.5, 100.0)
+    assert beats_default(_row("hqq", 32, 1.4, 101.0), default)
+    assert not beats_default(_row("hqq", 64, 1.6, 120.0), default)  # faster, less faithful
+    assert not beats_default(_row("awq", 32, 1.3, 99.0), default)  # more faithful, slower
+    assert not beats_default(_row("hqq", 32, 1.4, 101.0, engine="executorch-runtime"), default)
+    assert not beats_default(default, default)
+    assert not beats_default(_row("hqq", 32, None, 101.0), default)  # fidelity not measured
+    assert not beats_default(_row("hqq", 32, 1.4, 101.0), default, noise=0.03)  # within one program's spread
+    assert beats_default(_row("hqq", 64, 1.4, 104.0), default, noise=0.03)
+
+
+def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_per_algorithm():
+    runs = [_run("minmax", 32, _report(70_000_000, 1.5, 100.0)),
+            _run("hqq", 32, _report(70_000_000, 1.4, 100.5)),
+            _run("hqq", 64, _report(66_000_000, 1.45, 110.0)),
+            _run("minmax", 64, _report(67_000_000, 1.8, 108.0)),
+            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, layers_8bit=[0, 29]), budget=0.15),
+            _run("minmax", 128, _report(60_000_000, None, None), shape="llama-3.2-1b", full=False)]
+    decode = [{"shape": "llama-3.2-1b", "group_size": 128, "engine": "llama-3.2-1b g128", "run": i, "returncode": 0,
+               "result": {"decode_tokens_per_s": rate, "prefill_tokens_per_s": 50.0, "new_tokens": 64}}
+              for i, rate in enumerate((10.0, 12.0, 11.0))]
+    data = {"meta": META, "runs": runs, "decode": decode, "skipped": {},
+            "settings": {"recipe": "xnnpack-8da4w", "max_seq_len": 512, "threads": 2, "decode_runs": 3}}
+    data.update(summarize_front(data))
+    rows = {(r["shape"], r["name"]): r for r in data["rows"]}
+    hqq = rows[("smollm2-135m", "hqq g32")]
+    assert (hqq["heldout_perplexity_ratio"], hqq["decode_engine"], hqq["decode_tokens_per_s"]) == (1.5, "executorch-llm-runner", 100.5)
+    assert data["decode_noise"] == round(110 / 108 - 1, 4)
+    assert rows[("smollm2-135m", "hqq g64")]["beats_default"] and not hqq["beats_default"]  # hqq g32: within noise
+    assert not rows[("smollm2-135m", "minmax g64")]["beats_default"]
+    assert rows[("smollm2-135m", "hqq g32 +8-bit 15%")]["layers_8bit"] == [0, 29]
+    assert data["same_bytes_across_algorithms"] == {
+        "smollm2-135m g32": {"algorithms": ["minmax", "hqq"], "same": True},
+        "smollm2-135m g64": {"algorithms": ["hqq", "minmax"], "same": False}}
+    big = rows[("llama-3.2-1b", "minmax g128")]
+    assert (big["decode_tokens_per_s"], big["decode_runs"], big["fidelity_engine"]) == (11.0, 3, RANDOM_WEIGHTS)
+    assert big["beats_default"] is None
+    text = "\n".join(front_table(data))
+    assert "| smollm2-135m (built-in) | hqq | 64 | – | 66.00 |" in text and text.count("| **yes** |") == 1
+    assert f"| llama-3.2-1b (random weights) | minmax | 128 | – | 60.00 | 100.0 | {RANDOM_WEIGHTS} |" in text
+    assert "2 layers (0, 29), +2.00 MB/token" in text
+    assert "2026-01-01" in text and "Some CPU" in text
+
+
+def test_a_later_invocation_keeps_the_jobs_and_programs_it_did_not_measure():
+    old = {"meta": {"date": "before"}, "skipped": {"llama-3.2-1b g256": "failed"},
+           "runs": [_run("minmax", 32, _report(1, 1.5, 1.0)), _run("minmax", 32, _report(1, None, None), shape="1b", full=False)],
+           "decode": [{"shape": "1b", "group_size": 32, "engine": "1b g32"}]}
+    new = {"runs": [_run("minmax", 128, _report(1, None, None), shape="1b", full=False)],
+           "decode": [{"shape": "1b", "group_size": 128, "engine": "1b g128"}], "skipped": {}, "settings": {}}
+    meta = {"date": "later"}
+    keep_unmeasured(old, meta, new)
+    assert [(r["shape"], r["group_size"]) for r in new["runs"]] == [("smollm2-135m", 32), ("1b", 32), ("1b", 128)]
+    assert [r["group_size"] for r in new["decode"]] == [32, 128]
+    assert meta["earlier_meta"]["date"] == "before"
+
+
+def test_a_save_earlier_in_the_same_invocation_is_not_an_earlier_invocation():
+    first = {"meta": {"date": "now", "earlier_meta": {"date": "before"}}, "skipped": {},
+             "runs": [_run("minmax", 32, _report(1, 1.5, 1.0)), _run("minmax", 64, _report(1, 1.6, 1.0))], "decode": []}
+    again = {"runs": [_run("minmax", 32, _report(1, 1.5, 1.0))], "decode": [], "skipped": {}, "settings": {}}
+    meta = {"date": "now"}
+    keep_unmeasured(first, meta, again)
+    assert len(again["runs"]) == 2 and meta["earlier_meta"] == {"date": "before"}

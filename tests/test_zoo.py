@@ -111,7 +111,7 @@ def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
 
 
 def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_cells(tmp_path):
-    from recipes.zoo_scaling import scaling_series, write_scaling_plot
+    from recipes.zoo_scaling import scaling_series
 
     def cell(model, recipe, peak_mb, executorch="1.5.1", export_only=True, status="ok"):
         return {"model": model, "recipe": recipe, "status": status, "export_only": export_only,
@@ -127,5 +127,15 @@ def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_
 
     assert list(series) == ["xnnpack-8da4w"]
     assert [(p["model"], p["peak_gib"]) for p in series["xnnpack-8da4w"]] == [("small", 1.0), ("mid", 3.0), ("big", 6.0)]
-    write_scaling_plot(series, tmp_path / "scaling.png")
+    # Rendered in a fresh interpreter, as the matrix's own driver process renders it: matplotlib's FreeType
+    # module has crashed on import in a test worker that had loaded other native libraries before it.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import json, sys; from pathlib import Path; from recipes.zoo_scaling import write_scaling_plot; "
+              "write_scaling_plot(json.loads(sys.argv[1]), Path(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", script, json.dumps(series), str(tmp_path / "scaling.png")], check=True,
+                   cwd=Path(__file__).resolve().parent.parent)
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -201,6 +201,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     if request.generate:
         reference_dtype = estimates[0].reference_dtype if estimates else torch.float32
         weight_dtype = estimates[0].reference_weight_dtype if estimates else None
+        if weight_dtype != checkpoint.dtype:
+            weight_dtype = None  # only weights stored in that dtype stay in it: a cast would round them
         engine = REFERENCE_ENGINES[reference_dtype]
         started = stages.begin(f"generating with the {engine} reference")
         reference_module = build_exportable(

@@ -120,12 +120,20 @@ def write_heatmap(cells: list[dict], path: Path) -> None:
     ax.set_yticks(range(len(models)), [m.split("/")[-1] for m in models], fontsize=8)
     fig.colorbar(image, ax=ax, label="delegated %")
     ax.set_title("Lowerbench zoo: delegated % (text: .pte size or why not; grey: not run)", fontsize=9)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """The figure as a PNG, written atomically, and closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    write_atomically(path, tmp.read_bytes())
-    tmp.unlink()
+    write_atomically(path, png.getvalue())
 
 
 def write_readme(document: dict, folder: Path) -> None:

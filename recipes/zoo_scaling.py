@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.lowering import write_atomically
 from recipes.zoo import executorch_version, preferred_cell
 
 # A line needs this many models to say anything about how the cost grows.
@@ -52,9 +51,6 @@ def write_scaling_plot(series: dict[str, list[dict]], path: Path) -> None:
     version = ".".join(map(str, newest))
     fig.suptitle(f"Lowerbench zoo: export-only cost against model size (filled: executorch {version}; "
                  "hollow: an earlier one)", fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    write_atomically(path, tmp.read_bytes())
-    tmp.unlink()
+    from recipes.zoo_report import save_figure
+
+    save_figure(fig, path)

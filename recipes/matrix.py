@@ -120,10 +120,12 @@ def cpu_name() -> str:
 
 
 def base_record(cell: Cell) -> dict:
+    from recipes.memory_estimate import parameter_count
     from recipes.registry import get_recipe
 
     return {
         "key": cell.key, "model": cell.entry.repo_id, "recipe": cell.recipe, "backend": get_recipe(cell.recipe).backend.name,
+        "params": parameter_count(cell.entry.llama_config()),
         "options": cell.options, "max_seq_len": cell.max_seq_len, "export_only": not cell.generate,
         "weights": cell.weights, "model_identity": cell.identity, "versions": cell.versions,
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_name(), "cores": os.cpu_count(),

@@ -136,12 +136,21 @@ def save_figure(fig, path: Path) -> None:
     write_atomically(path, png.getvalue())
 
 
-def write_readme(document: dict, folder: Path) -> None:
+def zoo_parameter_count(model: str) -> int | None:
+    """The parameter count of a model the zoo lists, else None (a matrix may run entries from elsewhere)."""
     from recipes.memory_estimate import parameter_count
-    from recipes.zoo import find_entry
+    from recipes.zoo import load_entries
+
+    for entry in load_entries().values():
+        if entry.repo_id == model:
+            return parameter_count(entry.llama_config())
+    return None
+
+
+def write_readme(document: dict, folder: Path) -> None:
     from recipes.zoo_scaling import scaling_series, write_scaling_plot
 
-    series = scaling_series(document["cells"], lambda model: parameter_count(find_entry(model).llama_config()))
+    series = scaling_series(document["cells"], zoo_parameter_count)
     write_atomically(Path(folder) / "README.md", readme_text(document, scaling=bool(series)).encode())
     if document["cells"]:
         write_heatmap(document["cells"], Path(folder) / "heatmap.png")

@@ -12,14 +12,17 @@ MIN_MODELS = 3
 
 def scaling_series(cells: list[dict], parameters_of) -> dict[str, list[dict]]:
     """recipe -> [{model, params, peak_gib, pte_gb}] sorted by params, for recipes finished export-only on at
-    least MIN_MODELS models. `parameters_of(model repo id)` gives a model's parameter count."""
+    least MIN_MODELS models. A cell records its model's parameter count; for one that does not,
+    `parameters_of(model repo id)` gives it, or None (that model is left out)."""
     finished = [c for c in cells if c["status"] == "ok" and c.get("export_only") and c.get("peak_rss_mb")]
+    sizes = {c["model"]: c.get("params") or parameters_of(c["model"]) for c in finished}
+    finished = [c for c in finished if sizes[c["model"]]]
     series: dict[str, list[dict]] = {}
     for recipe in sorted({c["recipe"] for c in finished}):
         points = []
         for model in dict.fromkeys(c["model"] for c in finished if c["recipe"] == recipe):
             cell = preferred_cell([c for c in finished if (c["model"], c["recipe"]) == (model, recipe)])
-            points.append({"model": model, "params": parameters_of(model), "peak_gib": cell["peak_rss_mb"] / 1024,
+            points.append({"model": model, "params": sizes[model], "peak_gib": cell["peak_rss_mb"] / 1024,
                            "pte_gb": (cell.get("pte_mb") or 0) / 1000, "executorch": executorch_version(cell)})
         if len(points) >= MIN_MODELS:
             series[recipe] = sorted(points, key=lambda p: p["params"])

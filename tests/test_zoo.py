@@ -122,11 +122,14 @@ def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_
              cell("mid", "xnnpack-8da4w", 4096.0, executorch="1.4.1"), cell("mid", "xnnpack-8da4w", 3072.0),
              cell("mid", "xnnpack-8da4w", 9999.0, export_only=False),  # a full job: not an export-only cost
              cell("small", "coreml-int4", 2048.0), cell("mid", "coreml-int4", 8192.0),
-             cell("big", "coreml-int4", None, status="refused")]  # two finished models: no line
+             cell("big", "coreml-int4", None, status="refused"),  # two finished models: no line
+             cell("unlisted", "xnnpack-8da4w", 512.0),  # no size known: left out, not an error
+             {**cell("own-entry", "xnnpack-8da4w", 2048.0), "params": 5e8}]  # the cell's own count
     series = scaling_series(cells, params.get)
 
     assert list(series) == ["xnnpack-8da4w"]
-    assert [(p["model"], p["peak_gib"]) for p in series["xnnpack-8da4w"]] == [("small", 1.0), ("mid", 3.0), ("big", 6.0)]
+    assert [(p["model"], p["peak_gib"]) for p in series["xnnpack-8da4w"]] == [
+        ("small", 1.0), ("own-entry", 2.0), ("mid", 3.0), ("big", 6.0)]
     # Rendered in a fresh interpreter, as the matrix's own driver process renders it: matplotlib's FreeType
     # module has crashed on import in a test worker that had loaded other native libraries before it.
     import json

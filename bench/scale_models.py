@@ -9,9 +9,9 @@ time exactly as real ones here: every program Lowerbench and optimum make is the
 whatever the weights hold (no data-dependent control flow: no early exit, no sparsity, no expert routing),
 and greedy decoding runs a fixed number of steps because end of sequence is ignored.
 
-The tokenizer is a word-level one with exactly the model's vocabulary size and a Llama-3-style chat
-template (the real tokenizers cannot be downloaded here): every id it makes is in range, and the prompt
-is a realistic few dozen tokens long."""
+The tokenizer is models/random_checkpoint.py's byte-level BPE with exactly the model's vocabulary size
+(the real tokenizers cannot be downloaded here): every id it makes is in range, every id the model emits
+decodes to text, and ExecuTorch's LLM runner loads it."""
 from __future__ import annotations
 
 import json
@@ -43,7 +43,6 @@ CONFIGS = {
     },
 }
 SHARD_BYTES = 2 * 10**9
-PROMPT_WORDS = "what is the capital of france ? the answer is paris , a city on the seine".split()
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -77,29 +76,12 @@ def parameter_count(config: dict) -> int:
     return sum(prod(shape) for shape in tensor_shapes(config).values())
 
 
-def write_tokenizer(config: dict, dest: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
-    words = specials + PROMPT_WORDS + ["user", "assistant", "\n\n"]
-    words = list(dict.fromkeys(words))
-    words += [f"w{i}" for i in range(config["vocab_size"] - len(words))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|begin_of_text|>",
-                                   eos_token="<|eot_id|>")
-    fast.add_special_tokens({"additional_special_tokens": specials[3:]})
-    fast.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|> {{ m['role'] }} <|end_header_id|> "
-                          "{{ m['content'] }} <|eot_id|> {% endfor %}{% if add_generation_prompt %}"
-                          "<|start_header_id|> assistant <|end_header_id|> {% endif %}")
-    fast.save_pretrained(dest)
-
-
 def make_checkpoint(name: str, dest: Path, seed: int = 0) -> Path:
     """Writes the checkpoint once (a folder with config.json and its shards is reused)."""
     import torch
     from safetensors.torch import save_file
+
+    from models.random_checkpoint import shape_tokenizer
 
     dest = Path(dest)
     if (dest / "config.json").is_file() and (dest / "model.safetensors.index.json").is_file():
@@ -135,7 +117,7 @@ def make_checkpoint(name: str, dest: Path, seed: int = 0) -> Path:
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(config, tmp)
+    shape_tokenizer(config).save_pretrained(tmp)
     tmp.rename(dest)
     return dest
 

@@ -1,25 +1,76 @@
 """A shape-identical random checkpoint: a Hugging Face folder with a published config.json, random bf16
-weights of exactly its shapes, and a small word-level tokenizer. Delegation, .pte size, export time, peak
-memory and decode speed do not depend on the weights' values, so this stands in where the Hub is not
-reachable; anything about output quality needs the real weights."""
+weights of exactly its shapes, and a byte-level BPE tokenizer with exactly the model's vocabulary size.
+Delegation, .pte size, export time, peak memory and decode speed do not depend on the weights' values, so
+this stands in where the Hub is not reachable; anything about output quality needs the real weights."""
 from __future__ import annotations
 
 import json
 import shutil
+from itertools import product
 from pathlib import Path
 
-WORDS = "the capital of France is Paris . what is hello world , how are you ?".split()
+# Letters and the space first, so that even a small vocabulary spells ordinary prompts.
+_ASCII_ORDER = [*range(97, 123), 32, *range(65, 91), *range(48, 58), *range(33, 48), *range(58, 65),
+                *range(91, 97), *range(123, 127), 10, 9, *range(0, 9), *range(11, 32), 127]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def small_tokenizer():
-    """Word-level, a few dozen ids: valid for any vocabulary size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _byte_symbols() -> dict[int, str]:
+    """The byte-level pre-tokenizer's alphabet (GPT-2's): each byte as one printable character."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    symbols, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return symbols
+
+
+def shape_tokenizer(config: dict):
+    """A byte-level BPE tokenizer (the kind ExecuTorch's LLM runner loads, like Llama 3's and SmolLM2's) with
+    one id for every row of the model's embedding: the config's BOS and EOS ids are special tokens, an
+    <unk> takes the highest free id, and every other id is an ASCII string of one to three characters
+    (merged pairwise, so BPE rebuilds them). Whatever id a random model emits decodes to whole UTF-8 text,
+    which the runner's token callback needs; a character outside ASCII encodes as <unk>."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(dict.fromkeys(WORDS))}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    vocab_size = int(config["vocab_size"])
+    eos = config.get("eos_token_id")
+    eos_ids = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and 0 <= i < vocab_size]
+    bos_id = config.get("bos_token_id")
+    specials = {}
+    if isinstance(bos_id, int) and 0 <= bos_id < vocab_size:
+        specials[bos_id] = "<s>"
+    for k, i in enumerate(eos_ids):
+        specials.setdefault(i, "</s>" if k == 0 else f"<|eos_{k}|>")
+    unk_id = max(set(range(vocab_size)) - set(specials))
+    specials[unk_id] = "<unk>"
+    free_ids = (i for i in range(vocab_size) if i not in specials)
+    symbols = _byte_symbols()
+    chars = [symbols[b] for b in _ASCII_ORDER]
+    vocab, merges = {name: i for i, name in specials.items()}, []
+    for length in (1, 2, 3):
+        for parts in product(chars, repeat=length):
+            token_id = next(free_ids, None)
+            if token_id is None:
+                break
+            token = "".join(parts)
+            vocab[token] = token_id
+            if length > 1:
+                merges.append(("".join(parts[:-1]), parts[-1]))
+        else:
+            continue
+        break
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials.values()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                        bos_token=specials.get(bos_id), eos_token=specials[eos_ids[0]] if eos_ids else None)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
@@ -50,7 +101,7 @@ def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
     save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
     del tensors
     (partial / "config.json").write_text(json.dumps(config, indent=2))
-    small_tokenizer().save_pretrained(partial)
+    shape_tokenizer(config).save_pretrained(partial)
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder

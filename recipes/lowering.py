@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+import malloc_policy
 from recipes.delegation import delegation_table
 
 
@@ -207,7 +208,7 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     del lowered_gm
     if before_serialize is not None:
         before_serialize(edge)
-    rss.return_freed_memory()
+    malloc_policy.trim_freed_heap()
     rss.mark()
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized

@@ -5,8 +5,6 @@ Linux keeps the peak (VmHWM in /proc/self/status) and lets a process reset it (`
 lifetime peak (ru_maxrss), which is still an upper bound of every stage's peak."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import re
 import resource
 import sys
@@ -48,20 +46,3 @@ def peak_bytes() -> int:
     """The peak RSS since the last `mark()` (the lifetime peak where marks are not possible)."""
     kb = _status_kb("VmHWM")
     return kb * 1024 if kb is not None else lifetime_peak_bytes()
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim from the C library already loaded in this process, or None (not glibc)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def return_freed_memory() -> None:
-    """glibc keeps freed small blocks in its heap, where they still count as resident; malloc_trim hands them
-    back, so the next stage starts from what the job holds (a no-op elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

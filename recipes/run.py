@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+import malloc_policy
 import thread_policy
 from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
@@ -135,7 +136,7 @@ class _Stages:
             raise Cancelled("the job was cancelled; nothing was written for unfinished recipes.")
         if self.progress:
             self.progress(min(self.done / self.total, 0.99), message)
-        rss.return_freed_memory()
+        malloc_policy.trim_freed_heap()
         rss.mark()
         return time.perf_counter()
 
@@ -171,6 +172,7 @@ def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
 def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> dict:
     """Returns the summary {model, recipes: [report, ...]}; each report is also on disk."""
     thread_policy.torch_threads()
+    malloc_policy.unmap_large_blocks()
     recipes = [get_recipe(name) for name in request.recipes]
     validate_request(request, recipes)
     stages = _Stages(progress, cancel, total=3 + 7 * len(recipes))

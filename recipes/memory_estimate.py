@@ -81,6 +81,7 @@ class _Weights:
     largest_unit: int  # weights of the largest piece the module is built in
     tied: bool
     per_layer: int  # weights of one decoder layer's linears
+    layers: int
 
 
 def _lowering_bytes(recipe, w: _Weights, pte: float) -> float:
@@ -92,7 +93,7 @@ def _lowering_bytes(recipe, w: _Weights, pte: float) -> float:
         working = per_linear * w.linears + per_vocab * (w.embedding + w.output)
     else:
         working = pte * (recipe.lowering_memory_ratio or backend.lowering_memory_ratio)
-    return backend.lowering_memory_base_bytes + working
+    return backend.lowering_memory_base_bytes + working + backend.lowering_memory_per_layer_bytes * w.layers
 
 
 def _weights(config) -> _Weights:
@@ -104,7 +105,7 @@ def _weights(config) -> _Weights:
     embedding = s.vocab_size * s.hidden
     return _Weights(per_layer * s.n_layers, embedding, embedding, max(per_layer, embedding),
                     bool(getattr(config, "tie_word_embeddings", False)),
-                    per_layer)
+                    per_layer, s.n_layers)
 
 
 def parameter_count(config) -> int:

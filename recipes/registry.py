@@ -63,6 +63,9 @@ class Backend:
     # Instead of the ratio, where a converter's working set follows the weights rather than the .pte: bytes per
     # weight of the decoder's linears, and per weight of the embedding and the output layer.
     lowering_memory_per_weight: tuple[float, float] | None = None
+    # Over either: what lowering holds per decoder layer whatever its width (each layer's partition: its copied
+    # graph and its delegate's serialized graph), which is most of a small model's lowering.
+    lowering_memory_per_layer_bytes: float = 0.0
     pt2e_memory_ratio: float = 3.0
     # Serializing: the program's flatbuffer pieces and what the lowered program still holds, per byte of the .pte.
     serialize_memory_ratio: float = 2.1

@@ -45,16 +45,16 @@ BACKEND = Backend(
     # The edge program's constants and the packed delegate blobs, beside the quantized module; the copy of each
     # partition made for preprocessing shares the weights (xnnpack_patches.py, patch 5).
     lowering_memory_ratio=1.0,
+    lowering_memory_per_layer_bytes=17e6,
     serialize_memory_ratio=1.25,
 )
 
 RECIPES = (
     recipe(BACKEND, "fp32", "XNNPACK, fp32 weights"),
-    # int4 weights are held one per byte until preprocessing packs them: more working set per byte of .pte.
     recipe(BACKEND, "8da4w", "XNNPACK, int8 dynamic activations + int4 weights (group 32), 8-bit embeddings",
-           options={"group_size": 32}, lowering_memory_ratio=1.6),
+           options={"group_size": 32}),
     recipe(BACKEND, "8da4w-emb4", "XNNPACK, int8 dynamic activations + int4 weights (group 32), 4-bit embeddings",
-           options={"group_size": 32}, lowering_memory_ratio=1.6),
+           options={"group_size": 32}),
     recipe(BACKEND, "8da8w", "XNNPACK, int8 dynamic activations + int8 per-channel weights, 8-bit embeddings"),
     # llama::custom_sdpa has no fp16 kernel; aten SDPA outside the delegate runs fp16 on the portable ops,
     # with q/k/v as three linears, the form this recipe is checked in.

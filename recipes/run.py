@@ -153,7 +153,8 @@ def record_peak(timings: dict, key: str, peak_mb: float | None) -> None:
 
 
 def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
-    """Refuses, before any export, a context the model cannot hold or a prompt that does not fit in it."""
+    """Refuses, before any export, a context the model cannot hold or, when the job generates, a prompt that
+    does not fit in it (an export-only job has no prompt to fit)."""
     from models.prompting import prompt_token_ids
 
     limit = int(getattr(checkpoint.config, "max_position_embeddings", 0) or 0)
@@ -161,6 +162,8 @@ def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
         raise UserFacingError(
             f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens; choose at most {limit}."
         )
+    if not request.generate:
+        return
     prompt_tokens = len(prompt_token_ids(checkpoint.tokenizer, request.prompt))
     if prompt_tokens + request.max_new_tokens > request.max_seq_len:
         raise UserFacingError(

@@ -142,3 +142,15 @@ def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, 
     assert cancelled_at, f"the job never reached {stage}"
     assert time.monotonic() - cancelled_at[0] < app.CANCEL_GRACE_S + 10
     assert not list((tmp_path / "job").rglob("model.pte")) and not list((tmp_path / "job").rglob("report.json"))
+
+
+def test_export_only_job_has_no_prompt_to_fit_in_its_context(tiny_checkpoint, tmp_path):
+    from errors import UserFacingError
+    from recipes.run import RunRequest, check_context
+
+    long_prompt = "hello world " * 100
+    check_context(tiny_checkpoint, RunRequest(recipes=["xnnpack-fp32"], out_dir=tmp_path, prompt=long_prompt,
+                                              max_seq_len=32, generate=False))
+    with pytest.raises(UserFacingError, match="does not fit in the max context of 32"):
+        check_context(tiny_checkpoint, RunRequest(recipes=["xnnpack-fp32"], out_dir=tmp_path, prompt=long_prompt,
+                                                  max_seq_len=32))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from itertools import product
+from itertools import chain, product
 from pathlib import Path
 
 # Letters and the space first, so that even a small vocabulary spells ordinary prompts.
@@ -45,24 +45,16 @@ def shape_tokenizer(config: dict):
         specials[bos_id] = "<s>"
     for k, i in enumerate(eos_ids):
         specials.setdefault(i, "</s>" if k == 0 else f"<|eos_{k}|>")
-    unk_id = max(set(range(vocab_size)) - set(specials))
-    specials[unk_id] = "<unk>"
+    specials[next(i for i in reversed(range(vocab_size)) if i not in specials)] = "<unk>"
     free_ids = (i for i in range(vocab_size) if i not in specials)
     symbols = _byte_symbols()
     chars = [symbols[b] for b in _ASCII_ORDER]
+    strings = chain.from_iterable(product(chars, repeat=length) for length in (1, 2, 3))
     vocab, merges = {name: i for i, name in specials.items()}, []
-    for length in (1, 2, 3):
-        for parts in product(chars, repeat=length):
-            token_id = next(free_ids, None)
-            if token_id is None:
-                break
-            token = "".join(parts)
-            vocab[token] = token_id
-            if length > 1:
-                merges.append(("".join(parts[:-1]), parts[-1]))
-        else:
-            continue
-        break
+    for token_id, parts in zip(free_ids, strings):  # stops once every id has its token
+        vocab["".join(parts)] = token_id
+        if len(parts) > 1:
+            merges.append(("".join(parts[:-1]), parts[-1]))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -136,21 +136,14 @@ def save_figure(fig, path: Path) -> None:
     write_atomically(path, png.getvalue())
 
 
-def zoo_parameter_count(model: str) -> int | None:
-    """The parameter count of a model the zoo lists, else None (a matrix may run entries from elsewhere)."""
+def write_readme(document: dict, folder: Path) -> None:
     from recipes.memory_estimate import parameter_count
     from recipes.zoo import load_entries
-
-    for entry in load_entries().values():
-        if entry.repo_id == model:
-            return parameter_count(entry.llama_config())
-    return None
-
-
-def write_readme(document: dict, folder: Path) -> None:
     from recipes.zoo_scaling import scaling_series, write_scaling_plot
 
-    series = scaling_series(document["cells"], zoo_parameter_count)
+    entries = load_entries()  # a matrix may also run entries from elsewhere: those have no size here
+    series = scaling_series(document["cells"], lambda model: parameter_count(entries[model].llama_config())
+                            if model in entries else None)
     write_atomically(Path(folder) / "README.md", readme_text(document, scaling=bool(series)).encode())
     if document["cells"]:
         write_heatmap(document["cells"], Path(folder) / "heatmap.png")

@@ -15,7 +15,8 @@ def scaling_series(cells: list[dict], parameters_of) -> dict[str, list[dict]]:
     least MIN_MODELS models. A cell records its model's parameter count; for one that does not,
     `parameters_of(model repo id)` gives it, or None (that model is left out)."""
     finished = [c for c in cells if c["status"] == "ok" and c.get("export_only") and c.get("peak_rss_mb")]
-    sizes = {c["model"]: c.get("params") or parameters_of(c["model"]) for c in finished}
+    recorded = {c["model"]: c["params"] for c in finished if c.get("params")}
+    sizes = {m: recorded.get(m) or parameters_of(m) for m in dict.fromkeys(c["model"] for c in finished)}
     finished = [c for c in finished if sizes[c["model"]]]
     series: dict[str, list[dict]] = {}
     for recipe in sorted({c["recipe"] for c in finished}):

@@ -36,6 +36,9 @@ class Scheme:
     # (int4 packed two to a byte with a bf16 scale per group). For memory_estimate.py.
     module_bytes: tuple[float, float] = (4.0, 4.0)
     pte_bytes: tuple[float, float] = (4.0, 4.0)
+    # The dtype the module is built in: its weights are read from the checkpoint straight into it, so a
+    # half-precision scheme never holds an fp32 copy of the model.
+    module_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ def _8da8w(module: nn.Module, args: QuantArgs) -> None:
 
 
 def _fp16(module: nn.Module, args: QuantArgs) -> None:
+    # Built in fp16 already (module_dtype); the cast keeps a module or piece given in fp32 correct too.
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
 
 
@@ -181,9 +185,8 @@ SCHEMES: dict[str, Scheme] = {
                module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
                module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
-        # the cast also takes the module's own rope tables, outside every piece
-        Scheme("fp16", "fp16 cast of weights, activations and K/V caches", _fp16, layerwise=False,
-               module_bytes=(2.0, 2.0), pte_bytes=(2.0, 2.0)),
+        Scheme("fp16", "fp16 weights, activations and K/V caches", _fp16, module_bytes=(2.0, 2.0),
+               pte_bytes=(2.0, 2.0), module_dtype=torch.float16),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.
         # The backend's quantizer sets a PT2E scheme's qparams from its observers; what an algorithm can do
         # before it is transform the float weights: AWQ's scales, searched against symmetric int4 blocks of 32,
@@ -208,11 +211,12 @@ def quant_args(scheme: str, group_size: int | None = None, algorithm: str | None
 
 def prepare_for_scheme(module: nn.Module, scheme: str, args: QuantArgs) -> None:
     """The fp32 transform of the scheme's algorithm (AWQ's scales, SpinQuant's rotations), before quantize_."""
-    from quant.algorithms import prepare_weights
+    from quant.algorithms import AWQ_SEARCH_QPARAMS, prepare_weights
 
     spec = SCHEMES[scheme]
     if spec.int4_config is not None:
-        prepare_weights(module, args.algorithm, spec.int4_config(args.group_size, args.algorithm), args.calibration)
+        prepare_weights(module, args.algorithm, spec.int4_config(args.group_size, AWQ_SEARCH_QPARAMS),
+                        args.calibration)
 
 
 def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None, algorithm: str | None = None,

@@ -87,8 +87,11 @@ class Recipe:
     lowering_memory_ratio: float | None = None
 
     def export_options(self, max_seq_len: int) -> ExportOptions:
+        from quant.schemes import SCHEMES
+
         backend = self.backend
-        form = dict(attention=backend.attention, norm=backend.norm, fuse_qkv=backend.fuse_qkv)
+        form = dict(attention=backend.attention, norm=backend.norm, fuse_qkv=backend.fuse_qkv,
+                    dtype=SCHEMES[self.quantization].module_dtype)
         return ExportOptions(max_seq_len, **{**form, **self.module_overrides})
 
     def make_partitioners(self, options: dict) -> list:

@@ -93,6 +93,32 @@ def test_build_holds_at_most_one_unit_in_float_while_quantizing(bf16_llama_dir):
     assert float_bytes(module) == sum(p.numel() * 4 for n, p in module.named_parameters() if "norm" in n)
 
 
+def test_fp16_recipe_builds_its_module_in_fp16_equal_to_the_cast_fp32_one(bf16_llama_dir):
+    """No fp32 copy of the model on the way: the weights go from the file straight into fp16, and the module
+    is the one an fp32 build cast to fp16 would be, buffers and the norms' fp32 constants included."""
+    from recipes.registry import get_recipe
+
+    checkpoint = load_checkpoint(str(bf16_llama_dir))
+    options = get_recipe("xnnpack-fp16").export_options(32)
+    assert options.dtype == torch.float16
+    before = live_float_bytes()
+    seen = []
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, options,
+                              transform_unit=lambda unit: (seen.append(live_float_bytes() - before),
+                                                           apply_scheme(unit, "fp16")))
+    fp16_model = sum(p.numel() * 2 for p in module.parameters())
+    assert max(seen) <= fp16_model + sum(b.numel() * b.element_size() for b in module.buffers())
+    cast = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(32, attention=options.attention,
+                            norm=options.norm, fuse_qkv=options.fuse_qkv)).to(torch.float16)
+    built, expected = dict(module.state_dict(keep_vars=True)), dict(cast.state_dict(keep_vars=True))
+    built.update(module.named_buffers()), expected.update(cast.named_buffers())
+    assert built.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert built[name].dtype == tensor.dtype and torch.equal(built[name], tensor), name
+    tokens = torch.tensor([[1, 2, 3]])
+    assert torch.equal(module(tokens, torch.tensor([0])), cast(tokens, torch.tensor([0])))
+
+
 def test_reference_in_the_checkpoint_dtype_holds_no_fp32_copy(bf16_llama_dir):
     checkpoint = load_checkpoint(str(bf16_llama_dir))
     module = build_exportable(checkpoint.config, checkpoint.state_dict,

@@ -30,6 +30,17 @@ def coreml_partitioners(precision: str):
     return partitioners
 
 
+def sharing_preprocess_weights():
+    """coremltools reads the partition's weights into its MIL program and writes new fp16 or compressed ones,
+    never into the torch tensors, so ExecuTorch's per-partition copy can share them (a test checks the
+    program's weights are untouched by a lowering)."""
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
+
+    from recipes.lowering import preprocess_copies_share_weights
+
+    return preprocess_copies_share_weights(CoreMLBackend)
+
+
 def needs_apple_os() -> str | None:
     if platform.system() == "Darwin":
         return None
@@ -53,6 +64,7 @@ BACKEND = Backend(
     },
     cannot_run_here=needs_apple_os,
     packages=("coremltools",),
+    lowering_context=sharing_preprocess_weights,
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
     # one slice and the causal mask built by comparison.
     attention="sdpa-slice",

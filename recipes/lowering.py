@@ -140,6 +140,36 @@ def _skip_redundant_decomposition(partitioners: list) -> None:
         partitioner.ops_to_not_decompose = ops_to_not_decompose
 
 
+def copy_sharing_weights(edge_program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A partition's program copied for a backend's preprocessing with its weights shared, not copied.
+    ExecuTorch deep-copies every partition's program, weights included, before preprocessing
+    (BackendDetails.copy_exported_program_for_preprocess), and all the copies exist at once: a second copy of
+    every delegated weight. For a backend whose preprocessing only reads those tensors (it serializes them or
+    builds new ones), sharing them gives the same payload; the graph and the state-dict mappings are still
+    the copy's own."""
+    import copy
+
+    shared = {id(tensor): tensor for values in (edge_program.state_dict, edge_program.constants)
+              for tensor in values.values() if isinstance(tensor, torch.Tensor)}
+    return copy.deepcopy(edge_program, shared)
+
+
+@contextmanager
+def preprocess_copies_share_weights(backend_details: type):
+    """For the block, `backend_details` (a BackendDetails class) preprocesses copy_sharing_weights' copies."""
+    had_own = "copy_exported_program_for_preprocess" in vars(backend_details)
+    original = vars(backend_details).get("copy_exported_program_for_preprocess")
+    backend_details.copy_exported_program_for_preprocess = classmethod(
+        lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program))
+    try:
+        yield
+    finally:
+        if had_own:
+            backend_details.copy_exported_program_for_preprocess = original
+        else:
+            del backend_details.copy_exported_program_for_preprocess
+
+
 def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = True) -> torch.export.ExportedProgram:
     """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len).
     strict: the backend's export mode (Backend.strict_export). Non-strict export is faster, but not every

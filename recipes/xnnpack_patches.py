@@ -207,19 +207,12 @@ def _patch_partition_legalize() -> list[Callable[[], None]]:
 
 
 def _patch_shared_preprocess_weights() -> list[Callable[[], None]]:
-    import copy
-
-    import torch
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
-    def copy_exported_program_for_preprocess(cls, edge_program, compile_specs):
-        shared = {id(tensor): tensor
-                  for values in (edge_program.state_dict, edge_program.constants)
-                  for tensor in values.values() if isinstance(tensor, torch.Tensor)}
-        return copy.deepcopy(edge_program, shared)
+    from recipes.lowering import copy_sharing_weights
 
     return [_swap(XnnpackBackend, "copy_exported_program_for_preprocess",
-                  classmethod(copy_exported_program_for_preprocess))]
+                  classmethod(lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program)))]
 
 
 def shape_only(tensor) -> bool:

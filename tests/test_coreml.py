@@ -133,3 +133,40 @@ def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside
     if platform.system() != "Darwin":
         assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report["runtime_note"]
         assert report["profile"] is None and "Apple" in report["profile_note"]
+
+def test_preprocessing_shares_the_weights_and_leaves_them_as_they_were(tiny_checkpoint):
+    """ExecuTorch copies each partition's program before Core ML preprocesses it; Core ML's copy shares the
+    weights, which is only right while coremltools never writes into them: after a real int8 lowering every
+    weight of the program still holds its values."""
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
+
+    from models.llama import build_exportable
+    from quant.schemes import apply_scheme
+    from recipes.lowering import export_program, lower_for_backend
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("coreml-int8")
+    options = recipe.export_options(32)
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
+    apply_scheme(module, recipe.quantization)
+    program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
+    def plain(tensor):  # a torchao weight's inner tensors (int values, scales), or the tensor itself
+        if type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter) and type(tensor.data) is torch.Tensor:
+            return [tensor]
+        return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
+
+    tensors = [inner for t in {**program.state_dict, **program.constants}.values() if isinstance(t, torch.Tensor)
+               for inner in plain(t)]
+    values = [t.clone() for t in tensors]
+    assert len(tensors) > len(program.state_dict)  # the int8 linears' values and scales are among them
+
+    with recipe.backend.lowering_context():
+        copy_ = CoreMLBackend.copy_exported_program_for_preprocess(program, [])
+        assert copy_.graph_module is not program.graph_module
+        assert all(copy_.state_dict[name] is t for name, t in program.state_dict.items())
+    outside = CoreMLBackend.copy_exported_program_for_preprocess(program, [])
+    assert not any(outside.state_dict[name] is t for name, t in program.state_dict.items())
+
+    lowered = lower_for_backend(program, recipe, recipe.make_partitioners(recipe.options))
+    assert lowered.delegation["delegated_subgraphs"] == 1
+    assert all(torch.equal(tensor, value) for tensor, value in zip(tensors, values))

@@ -5,7 +5,8 @@ and its bytes per token are those of `minmax`; only the numbers differ.
   minmax     each group's scale from its absolute maximum (torchao's choose_qparams_affine)
   hqq        HQQ's scale-only optimisation of each group's scale (torchao's HQQ_SCALE_ONLY qparams)
   awq        activation-aware scales (torchao.prototype.awq's AWQObserver search on the calibration text),
-             folded into the op before each linear so the program gains no op
+             folded into the op before each linear so the program gains no op; the scaled weights then take
+             HQQ's group scales
   spinquant  SpinQuant's R1 (residual stream) and R2 (value/output heads) random Hadamard rotations, applied
              with torchao.prototype.spinquant; exact in fp32, they spread outliers across a group
 """
@@ -19,7 +20,8 @@ from torch import nn
 ALGORITHMS: dict[str, str] = {
     "minmax": "scales from each group's min/max",
     "hqq": "HQQ scale-only qparams (torchao)",
-    "awq": "activation-aware weight scales searched on the calibration text (torchao AWQ), folded into norms",
+    "awq": "activation-aware weight scales searched on the calibration text (torchao AWQ), folded into norms, "
+           "then HQQ scale-only qparams",
     "spinquant": "SpinQuant R1 + R2 Hadamard rotations (torchao), exact in fp32",
 }
 CALIBRATED = ("awq",)
@@ -35,13 +37,21 @@ UNAVAILABLE: dict[str, str] = {
 AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
 
 
+# Algorithms whose int4 groups end with HQQ's scales. AWQ's scales change which weights matter, not how a
+# group's scale is fitted, so HQQ's fit still helps after them (measured on the built-in model, README).
+HQQ_QPARAMS = ("hqq", "awq")
+# What AWQ's scale search quantizes each candidate with: min/max groups, because HQQ's fit inside every one
+# of its candidates would repeat the whole HQQ pass once per candidate.
+AWQ_SEARCH_QPARAMS = "minmax"
+
+
 def qparams_algorithm(algorithm: str):
-    """torchao's IntxChooseQParamsAlgorithm for an algorithm: HQQ's, or the affine min/max."""
+    """torchao's IntxChooseQParamsAlgorithm for an algorithm's final groups: HQQ's, or the affine min/max."""
     from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
         IntxChooseQParamsAlgorithm,
     )
 
-    return IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY if algorithm == "hqq" else IntxChooseQParamsAlgorithm.AFFINE
+    return IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY if algorithm in HQQ_QPARAMS else IntxChooseQParamsAlgorithm.AFFINE
 
 
 def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> None:

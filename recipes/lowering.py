@@ -154,20 +154,28 @@ def copy_sharing_weights(edge_program: torch.export.ExportedProgram) -> torch.ex
     return copy.deepcopy(edge_program, shared)
 
 
+def swap_attribute(owner, name: str, new) -> Callable[[], None]:
+    """Sets owner.name = new; returns what puts the original back (an inherited attribute is inherited again)."""
+    had_own = name in vars(owner)
+    original = vars(owner)[name] if had_own else None
+    setattr(owner, name, new)
+    return (lambda: setattr(owner, name, original)) if had_own else (lambda: delattr(owner, name))
+
+
+def share_preprocess_weights(backend_details: type) -> Callable[[], None]:
+    """`backend_details` (a BackendDetails class) preprocesses copy_sharing_weights' copies; returns the undo."""
+    return swap_attribute(backend_details, "copy_exported_program_for_preprocess",
+                          classmethod(lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program)))
+
+
 @contextmanager
 def preprocess_copies_share_weights(backend_details: type):
-    """For the block, `backend_details` (a BackendDetails class) preprocesses copy_sharing_weights' copies."""
-    had_own = "copy_exported_program_for_preprocess" in vars(backend_details)
-    original = vars(backend_details).get("copy_exported_program_for_preprocess")
-    backend_details.copy_exported_program_for_preprocess = classmethod(
-        lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program))
+    """share_preprocess_weights for the block."""
+    restore = share_preprocess_weights(backend_details)
     try:
         yield
     finally:
-        if had_own:
-            backend_details.copy_exported_program_for_preprocess = original
-        else:
-            del backend_details.copy_exported_program_for_preprocess
+        restore()
 
 
 def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = True) -> torch.export.ExportedProgram:

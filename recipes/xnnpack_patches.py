@@ -44,19 +44,13 @@ import importlib.metadata
 from contextlib import contextmanager
 from typing import Callable
 
+from recipes.lowering import share_preprocess_weights, swap_attribute
+
 PATCHED = {"executorch": "1.5.1", "torchao": "0.18.0"}
 
 
 def _version_matches(package: str) -> bool:
     return importlib.metadata.version(package) == PATCHED[package]
-
-
-def _swap(owner, name: str, new) -> Callable[[], None]:
-    """Sets owner.name = new; returns what puts the original back (an inherited attribute is inherited again)."""
-    had_own = name in vars(owner)
-    original = vars(owner)[name] if had_own else None
-    setattr(owner, name, new)
-    return (lambda: setattr(owner, name, original)) if had_own else (lambda: delattr(owner, name))
 
 
 def _pattern_ops(patterns) -> list[set]:
@@ -79,7 +73,7 @@ def _skip_without_pattern(pass_cls, patterns_of, anchor_of):
             return PassResult(graph_module, False)
         return original(self, graph_module)
 
-    return _swap(pass_cls, "call", call)
+    return swap_attribute(pass_cls, "call", call)
 
 
 def pass_patterns():
@@ -165,7 +159,7 @@ def _patch_idle_retraces() -> list[Callable[[], None]]:
             finally:
                 del self._lowerbench_received
 
-        restores.append(_swap(cls, "call", call))
+        restores.append(swap_attribute(cls, "call", call))
 
     retrace = _ExportPassBase.call
 
@@ -176,7 +170,7 @@ def _patch_idle_retraces() -> list[Callable[[], None]]:
             return PassResult(graph_module, False)
         return retrace(self, graph_module)
 
-    restores.append(_swap(_ExportPassBase, "call", call_unless_unchanged))
+    restores.append(swap_attribute(_ExportPassBase, "call", call_unless_unchanged))
     return restores
 
 
@@ -203,16 +197,13 @@ def _patch_partition_legalize() -> list[Callable[[], None]]:
             call_node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == call_node.target)
         return submodule, call_node
 
-    return [_swap(backend_api, "create_submodule_from_nodes", create_submodule_from_nodes)]
+    return [swap_attribute(backend_api, "create_submodule_from_nodes", create_submodule_from_nodes)]
 
 
 def _patch_shared_preprocess_weights() -> list[Callable[[], None]]:
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
-    from recipes.lowering import copy_sharing_weights
-
-    return [_swap(XnnpackBackend, "copy_exported_program_for_preprocess",
-                  classmethod(lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program)))]
+    return [share_preprocess_weights(XnnpackBackend)]
 
 
 def shape_only(tensor) -> bool:

@@ -187,8 +187,7 @@ def front_row(record: dict) -> dict:
             "decode_engine": generation.get("engine"), "new_tokens": generation.get("new_tokens"),
             "quantize_s": (report.get("timings_s") or {}).get("quantize"), "wall_s": record["wall_s"],
             "peak_rss_mb": record["peak_rss_mb"],
-            "layers_8bit": mixed.get("layers_8bit"), "extra_bytes_per_token": mixed.get("extra_bytes_per_token"),
-            "layer_cost_bytes": mixed.get("layer_cost_bytes")}
+            "units_8bit": mixed.get("units_8bit"), "extra_bytes_per_token": mixed.get("extra_bytes_per_token")}
 
 
 def is_default(row: dict) -> bool:

@@ -348,10 +348,11 @@ def _front_beats(row: dict) -> str:
 
 
 def _front_8bit(row: dict) -> str:
-    if not row.get("layers_8bit"):
+    from quant.mixed_precision import describe_units
+
+    if not row.get("units_8bit"):
         return "–" if not row["mixed_precision_budget"] else "none fit"
-    return (f"{len(row['layers_8bit'])} layers ({', '.join(map(str, row['layers_8bit']))}), "
-            f"+{fmt(row['extra_bytes_per_token'] / 1e6, 2)} MB/token")
+    return f"{describe_units(row['units_8bit'])}, +{fmt(row['extra_bytes_per_token'] / 1e6, 2)} MB/token"
 
 
 def _front_engine(row: dict) -> str:

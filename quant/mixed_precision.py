@@ -1,6 +1,10 @@
-"""Mixed precision chosen from measurement: the decoder layers whose int4 linears add the most error (by the
-per-layer map on the calibration text) keep 8da8w linears, as many as fit in a budget of extra weight bytes
-per token."""
+"""Mixed precision chosen from measurement. The units are the decoder layers and the output layer. Each is
+scored by what keeping it alone at 8da8w, in the otherwise all-int4 model, takes off the model's KL divergence
+from fp32 on the calibration text; the units that gain the most per extra weight byte per token are kept at
+8da8w, as many as fit in the budget.
+
+The logits, not the layer outputs, are the measure: a few large residual channels dominate the layer outputs'
+SQNR, and the output layer, whose error reaches the logits directly, has no layer output to score it by."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from quant.layer_error import eager_layer_outputs, layer_errors
+OUTPUT_UNIT = "lm_head"
 
 
 def weight_bytes(weight: torch.Tensor) -> int:
@@ -21,51 +25,90 @@ def weight_bytes(weight: torch.Tensor) -> int:
     return weight.numel() * weight.element_size()
 
 
-def int8_weight_bytes(weight: torch.Tensor) -> int:
-    return weight.numel() + weight.shape[0] * 4
-
-
 def linear_weight_bytes(module: torch.nn.Module, prefix: str = "") -> int:
     """Weight bytes of the linears under `prefix`: what a decode step reads (an embedding reads one row)."""
     return sum(weight_bytes(m.weight) for name, m in module.named_modules()
                if isinstance(m, torch.nn.Linear) and name.startswith(prefix))
 
 
-def _upgrade_cost(module: torch.nn.Module, layer: int) -> int:
-    prefix = f"model.layers.{layer}."
-    return sum(int8_weight_bytes(m.weight) - weight_bytes(m.weight) for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.startswith(prefix))
+def mixed_units(module: torch.nn.Module) -> list[str]:
+    """The units mixed precision chooses among, by module name: every decoder layer, then the output layer."""
+    return [f"model.layers.{i}" for i in range(len(module.model.layers))] + [OUTPUT_UNIT]
 
 
-def added_noise(errors: list[dict]) -> list[float]:
-    """Noise-to-signal power each layer adds to its input's: the drop of SQNR, in linear terms."""
-    ratios = [0.0 if e["sqnr_db"] is None else 10 ** (-e["sqnr_db"] / 10) for e in errors]
-    return [ratio - (ratios[i - 1] if i else 0.0) for i, ratio in enumerate(ratios)]
+def describe_units(units: list[str]) -> str:
+    """e.g. "decoder layers 0, 29 and the output layer"."""
+    layers = [u.removeprefix("model.layers.") for u in units if u != OUTPUT_UNIT]
+    parts = ([("decoder layer " if len(layers) == 1 else "decoder layers ") + ", ".join(layers)] if layers else [])
+    parts += ["the output layer"] if OUTPUT_UNIT in units else []
+    return " and ".join(parts)
+
+
+def in_units(fqn: str, units: tuple[str, ...]) -> bool:
+    """Whether the module named `fqn` is one of `units` or inside one."""
+    return any(fqn == unit or fqn.startswith(unit + ".") for unit in units)
+
+
+def _unit_bytes(module: torch.nn.Module, unit: str) -> int:
+    return sum(weight_bytes(m.weight) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and in_units(name, (unit,)))
 
 
 @torch.no_grad()
-def choose_8bit_layers(module: torch.nn.Module, quantize: Callable[[torch.nn.Module], None],
-                       windows: list[torch.Tensor], budget: float) -> dict:
-    """module: the fp32 module about to be quantized (left as it is); quantize: the all-int4 scheme, in place;
-    budget: extra weight bytes per token allowed, as a fraction of the all-int4 model's."""
-    reference = eager_layer_outputs(module, windows)
+def _log_probs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for tokens in windows:
+        module.reset_cache()
+        out.append(torch.log_softmax(module(tokens, torch.tensor([0]))[0].float(), dim=-1))
+    return out
+
+
+@torch.no_grad()
+def _mean_kl(reference: list[torch.Tensor], module: torch.nn.Module, windows: list[torch.Tensor]) -> float:
+    """Mean over positions of KL(fp32 || module)."""
+    total, positions = 0.0, 0
+    for ref, tokens in zip(reference, windows):
+        module.reset_cache()
+        log_q = torch.log_softmax(module(tokens, torch.tensor([0]))[0].float(), dim=-1)
+        total += (ref.exp() * (ref - log_q)).sum().item()
+        positions += ref.shape[0]
+    return total / positions
+
+
+@torch.no_grad()
+def choose_8bit_units(module: torch.nn.Module, quantize: Callable[[torch.nn.Module, tuple[str, ...]], None],
+                      windows: list[torch.Tensor], budget: float) -> dict:
+    """module: the fp32 module about to be quantized (left as it is); quantize(module, units_8bit): the
+    scheme, in place, with those units at 8da8w; budget: extra weight bytes per token allowed, as a fraction of
+    the all-int4 model's."""
+    units = mixed_units(module)
+    reference = _log_probs(module, windows)
     trial = copy.deepcopy(module)
-    quantize(trial)
-    errors = layer_errors(reference, eager_layer_outputs(trial, windows))
+    quantize(trial, ())
+    eight = copy.deepcopy(module)
+    quantize(eight, tuple(units))
+    int4_kl = _mean_kl(reference, trial, windows)
+    gain, cost = {}, {}
+    for unit in units:
+        own = trial.get_submodule(unit)
+        trial.set_submodule(unit, eight.get_submodule(unit))
+        gain[unit] = int4_kl - _mean_kl(reference, trial, windows)
+        trial.set_submodule(unit, own)
+        cost[unit] = _unit_bytes(eight, unit) - _unit_bytes(trial, unit)
     base = linear_weight_bytes(trial)
-    noise = added_noise(errors)
     chosen, spent = [], 0
-    for layer in sorted(range(len(noise)), key=lambda i: -noise[i]):
-        cost = _upgrade_cost(trial, layer)
-        if spent + cost <= budget * base:
-            chosen.append(layer)
-            spent += cost
+    for unit in sorted(units, key=lambda u: -gain[u] / cost[u]):
+        if gain[unit] > 0 and spent + cost[unit] <= budget * base:
+            chosen.append(unit)
+            spent += cost[unit]
+    chosen.sort(key=units.index)
     return {
         "budget_fraction": budget,
-        "layers_8bit": sorted(chosen),
+        "units_8bit": chosen,
         "extra_bytes_per_token": spent,
         "int4_bytes_per_token": base,
-        "measured_on": "calibration text, eager-quantized layer outputs against fp32 eager",
-        "layer_cost_bytes": {i: _upgrade_cost(trial, i) for i in sorted(chosen)},
-        "int4_layer_sqnr_db": [e["sqnr_db"] for e in errors],
+        "measured_on": "calibration text, eager: mean KL from fp32 of the all-int4 model with one unit at 8da8w",
+        "int4_mean_kl": round(int4_kl, 5),
+        "unit_kl_gain": {u: round(gain[u], 5) for u in units},
+        "unit_cost_bytes": {u: cost[u] for u in units},
     }

@@ -30,7 +30,9 @@ def check_options(scheme: str, options: dict) -> None:
 
 def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: int) -> tuple[dict, dict]:
     """In place. Returns (report section, seconds by part)."""
-    from quant.mixed_precision import choose_8bit_layers, linear_weight_bytes
+    from dataclasses import replace
+
+    from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
 
     spec = SCHEMES[scheme]
     algorithm = options.get("quant_algorithm") or spec.algorithms[0]
@@ -47,10 +49,11 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     seconds["quant_algorithm"] = round(time.perf_counter() - started, 3)
     if budget:
         started = time.perf_counter()
-        choice = choose_8bit_layers(module, lambda m: spec.apply(m, args), windows, budget)
+        choice = choose_8bit_units(module, lambda m, units: spec.apply(m, replace(args, units_8bit=units)),
+                                   windows, budget)
         seconds["mixed_precision_search"] = round(time.perf_counter() - started, 3)
         section["mixed_precision"] = choice
-        args = quant_args(scheme, options.get("group_size"), algorithm, windows, choice["layers_8bit"])
+        args = replace(args, units_8bit=tuple(choice["units_8bit"]))
     if spec.apply is not None:
         started = time.perf_counter()
         spec.apply(module, args)

@@ -46,7 +46,7 @@ class QuantArgs:
     group_size: int = 0
     algorithm: str = "minmax"
     calibration: tuple = ()  # token windows [1, T] for calibrated algorithms
-    layers_8bit: tuple[int, ...] = ()  # decoder layers whose linears stay at 8da8w
+    units_8bit: tuple[str, ...] = ()  # decoder layers or the output layer, by name, whose linears stay at 8da8w
 
 
 def _is_embedding(module: nn.Module, fqn: str) -> bool:
@@ -86,15 +86,17 @@ def config_8da8w():
 
 
 def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = "minmax",
-                           layers_8bit: tuple[int, ...] = ()) -> None:
-    """int4 linears, except those of the decoder layers in `layers_8bit`, which take 8da8w."""
+                           units_8bit: tuple[str, ...] = ()) -> None:
+    """int4 linears, except those of `units_8bit` (module names, e.g. "model.layers.3", "lm_head"), which take
+    8da8w."""
     from torchao.quantization import quantize_
 
-    kept = tuple(f"model.layers.{i}." for i in layers_8bit)  # str.startswith(()) is False
-    if kept:
-        quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and fqn.startswith(kept))
+    from quant.mixed_precision import in_units
+
+    if units_8bit:
+        quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and in_units(fqn, units_8bit))
     quantize_(module, config_8da4w(group_size, algorithm),
-              filter_fn=lambda m, fqn: _is_linear(m, fqn) and not fqn.startswith(kept))
+              filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
 
 
 def config_weight_only(bits: int, group_size: int | None, algorithm: str = "minmax"):
@@ -132,12 +134,12 @@ def _fp32(module: nn.Module, args: QuantArgs) -> None:
 
 def _8da4w(module: nn.Module, args: QuantArgs) -> None:
     quantize_embeddings(module, 8)
-    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.layers_8bit)
+    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.units_8bit)
 
 
 def _8da4w_emb4(module: nn.Module, args: QuantArgs) -> None:
     quantize_embeddings(module, 4)
-    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.layers_8bit)
+    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.units_8bit)
 
 
 def _8da8w(module: nn.Module, args: QuantArgs) -> None:
@@ -203,10 +205,10 @@ SCHEMES: dict[str, Scheme] = {
 
 
 def quant_args(scheme: str, group_size: int | None = None, algorithm: str | None = None, calibration=(),
-               layers_8bit=()) -> QuantArgs:
+               units_8bit=()) -> QuantArgs:
     spec = SCHEMES[scheme]
     return QuantArgs(group_size or spec.default_group_size or 0, algorithm or spec.algorithms[0], tuple(calibration),
-                     tuple(layers_8bit))
+                     tuple(units_8bit))
 
 
 def prepare_for_scheme(module: nn.Module, scheme: str, args: QuantArgs) -> None:
@@ -220,10 +222,10 @@ def prepare_for_scheme(module: nn.Module, scheme: str, args: QuantArgs) -> None:
 
 
 def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None, algorithm: str | None = None,
-                 calibration=(), layers_8bit=()) -> None:
+                 calibration=(), units_8bit=()) -> None:
     spec = SCHEMES[scheme]
     if spec.apply is not None:
-        args = quant_args(scheme, group_size, algorithm, calibration, layers_8bit)
+        args = quant_args(scheme, group_size, algorithm, calibration, units_8bit)
         prepare_for_scheme(module, scheme, args)
         spec.apply(module, args)
 

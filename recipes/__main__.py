@@ -29,8 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quant-algorithm", default=None,
                      help="how int4 weights get their qparams: minmax, hqq, awq, spinquant (see `list`)")
     run.add_argument("--mixed-precision-budget", type=float, default=None,
-                     help="keep the most sensitive decoder layers at 8da8w within this extra fraction of weight "
-                          "bytes per token, e.g. 0.1 for +10 %% (8da4w schemes)")
+                     help="keep at 8da8w the decoder layers and output layer that bring the logits closest to "
+                          "fp32 per byte, within this extra fraction of weight bytes per token, e.g. 0.1 for "
+                          "+10 %% (8da4w schemes)")
     run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
     run.add_argument("--export-only", action="store_true",
                      help="write the .pte and its delegation report only: no sample generations, no fidelity")

@@ -11,8 +11,8 @@ META = {"date": "2026-01-01T00:00:00+00:00", "machine": {"cpu": "Some CPU", "cor
         "runs_requested": 3, "load_average_before": [1.0], "load_average_after": [1.0], "note": ""}
 
 
-def _report(bytes_per_token, ppl_ratio, decode, engine="executorch-llm-runner", layers_8bit=None):
-    mixed = {"layers_8bit": layers_8bit, "extra_bytes_per_token": 2_000_000} if layers_8bit else None
+def _report(bytes_per_token, ppl_ratio, decode, engine="executorch-llm-runner", units_8bit=None):
+    mixed = {"units_8bit": units_8bit, "extra_bytes_per_token": 2_000_000} if units_8bit else None
     return {"quantization": {"weight_bytes_per_token": bytes_per_token,
                              **({"mixed_precision": mixed} if mixed else {})},
             "fidelity": None if ppl_ratio is None else {
@@ -68,7 +68,7 @@ def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_pe
             _run("hqq", 32, _report(70_000_000, 1.4, 100.5)),
             _run("hqq", 64, _report(66_000_000, 1.45, 110.0)),
             _run("minmax", 64, _report(67_000_000, 1.8, 108.0)),
-            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, layers_8bit=[0, 29]), budget=0.15),
+            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, units_8bit=["model.layers.0", "model.layers.29", "lm_head"]), budget=0.15),
             _run("minmax", 128, _report(60_000_000, None, None), shape="llama-3.2-1b", full=False)]
     decode = [{"shape": "llama-3.2-1b", "group_size": 128, "engine": "llama-3.2-1b g128", "run": i, "returncode": 0,
                "result": {"decode_tokens_per_s": rate, "prefill_tokens_per_s": 50.0, "new_tokens": 64}}
@@ -82,7 +82,7 @@ def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_pe
     assert data["decode_noise"] == round(110 / 108 - 1, 4)
     assert rows[("smollm2-135m", "hqq g64")]["beats_default"] and not hqq["beats_default"]  # hqq g32: within noise
     assert not rows[("smollm2-135m", "minmax g64")]["beats_default"]
-    assert rows[("smollm2-135m", "hqq g32 +8-bit 15%")]["layers_8bit"] == [0, 29]
+    assert rows[("smollm2-135m", "hqq g32 +8-bit 15%")]["units_8bit"] == ["model.layers.0", "model.layers.29", "lm_head"]
     assert data["same_bytes_across_algorithms"] == {
         "smollm2-135m g32": {"algorithms": ["minmax", "hqq"], "same": True},
         "smollm2-135m g64": {"algorithms": ["hqq", "minmax"], "same": False}}
@@ -92,7 +92,7 @@ def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_pe
     text = "\n".join(front_table(data))
     assert "| smollm2-135m (built-in) | hqq | 64 | – | 66.00 |" in text and text.count("| **yes** |") == 1
     assert f"| llama-3.2-1b (random weights) | minmax | 128 | – | 60.00 | 100.0 | {RANDOM_WEIGHTS} |" in text
-    assert "2 layers (0, 29), +2.00 MB/token" in text
+    assert "decoder layers 0, 29 and the output layer, +2.00 MB/token" in text
     assert "2026-01-01" in text and "Some CPU" in text
 
 

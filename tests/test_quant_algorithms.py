@@ -193,26 +193,40 @@ def test_calibration_and_evaluation_texts_share_no_32_token_window():
     assert _windows_of_tokens(list(range(50))) & _windows_of_tokens(list(range(10, 80)))
 
 
-def test_mixed_precision_keeps_the_noisiest_layers_within_the_budget(random_llama):
+def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_the_budget(random_llama):
     from models.llama import ExportOptions, build_exportable
-    from quant.mixed_precision import added_noise, choose_8bit_layers, linear_weight_bytes
+    from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
     from quant.schemes import apply_scheme
 
     config, state_dict, tokens, calibration = random_llama
-    module = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
-    choice = choose_8bit_layers(module, lambda m: apply_scheme(m, "8da4w", 32), list(calibration), 0.5)
-    assert len(choice["layers_8bit"]) == 1 and 0 < choice["extra_bytes_per_token"] <= 0.5 * choice["int4_bytes_per_token"]
-    noisiest = max(range(2), key=lambda i: added_noise([{"sqnr_db": s} for s in choice["int4_layer_sqnr_db"]])[i])
-    assert choice["layers_8bit"] == [noisiest]
-    assert choose_8bit_layers(module, lambda m: apply_scheme(m, "8da4w", 32), list(calibration), 1.0)[
-        "layers_8bit"] == [0, 1]
+    build = lambda: build_exportable(config, state_dict, ExportOptions(64, **FUSED))  # noqa: E731
+    quantize = lambda m, units: apply_scheme(m, "8da4w", 32, units_8bit=units)  # noqa: E731
+    module = build()
+    choice = choose_8bit_units(module, quantize, list(calibration), 0.3)
+    gain, cost, base = choice["unit_kl_gain"], choice["unit_cost_bytes"], choice["int4_bytes_per_token"]
+    assert list(gain) == ["model.layers.0", "model.layers.1", "lm_head"]
+    assert all(g > 0 for g in gain.values()) and all(c > 0 for c in cost.values())
 
-    mixed = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
-    apply_scheme(mixed, "8da4w", 32, layers_8bit=choice["layers_8bit"])
-    int4 = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
-    apply_scheme(int4, "8da4w", 32)
-    assert linear_weight_bytes(mixed) - linear_weight_bytes(int4) == choice["extra_bytes_per_token"]
-    reference = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
-    with torch.no_grad():
-        ref = reference(tokens, torch.tensor([0]))
-        assert (mixed(tokens, torch.tensor([0])) - ref).pow(2).mean() < (int4(tokens, torch.tensor([0])) - ref).pow(2).mean()
+    def mean_kl(units):
+        reference, mixed = build(), build()
+        quantize(mixed, units)
+        with torch.no_grad():
+            ref = torch.log_softmax(reference(calibration[0], torch.tensor([0]))[0], -1)
+            out = torch.log_softmax(mixed(calibration[0], torch.tensor([0]))[0], -1)
+        return (ref.exp() * (ref - out)).sum(-1).mean().item(), linear_weight_bytes(mixed)
+
+    # Each unit's gain and cost are those of the model quantized with that unit alone at 8da8w.
+    int4_kl, int4_bytes = mean_kl(())
+    assert int4_bytes == base and abs(int4_kl - choice["int4_mean_kl"]) < 1e-4
+    for unit in gain:
+        kl, size = mean_kl((unit,))
+        assert abs(int4_kl - kl - gain[unit]) < 1e-4 and size - base == cost[unit], unit
+    # What is kept fits and is the best per byte; whatever is left would not fit beside it.
+    kept = choice["units_8bit"]
+    assert kept and choice["extra_bytes_per_token"] == sum(cost[u] for u in kept) <= 0.3 * base
+    best = max(gain, key=lambda u: gain[u] / cost[u])
+    assert best in kept
+    assert all(choice["extra_bytes_per_token"] + cost[u] > 0.3 * base for u in gain if u not in kept)
+    assert mean_kl(tuple(kept))[0] < int4_kl
+    assert choose_8bit_units(module, quantize, list(calibration), 1.0)["units_8bit"] == list(gain)
+    assert choose_8bit_units(module, quantize, list(calibration), min(cost.values()) / base / 2)["units_8bit"] == []

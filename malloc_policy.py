@@ -10,6 +10,10 @@
    for each large tensor, is small beside the work on that tensor.
 2. `trim_freed_heap()`, between stages: what stays in the heap (blocks below the threshold) goes back, so the
    next stage starts from what the job holds.
+3. `reusing_large_blocks()`, around a stage that runs the model pass after pass (a calibrated search): its
+   activations and dequantized weights come back at the same sizes every pass, and a fresh mapping for each costs
+   a page fault per 4 KiB page, which there outweighs the arithmetic. The heap keeps them for reuse during the
+   stage and gives back what is free when it ends.
 
 Other C libraries (macOS, musl) are left as they are.
 """
@@ -19,9 +23,13 @@ import ctypes
 import ctypes.util
 import functools
 import platform
+from contextlib import contextmanager
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
+REUSE_THRESHOLD_BYTES = 32 << 20  # the largest glibc takes (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
+STOCK_TRIM_THRESHOLD_BYTES = 128 << 10
+_fixed = False
 
 
 @functools.cache
@@ -37,8 +45,28 @@ def _glibc():
 
 def unmap_large_blocks() -> bool:
     """Fixes glibc's mmap threshold for this process. True when it applied."""
+    global _fixed
     libc = _glibc()
-    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    _fixed = libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return _fixed
+
+
+@contextmanager
+def reusing_large_blocks():
+    """Blocks up to REUSE_THRESHOLD_BYTES come from the heap for the block, where unmap_large_blocks applied."""
+    libc = _glibc()
+    if not _fixed or libc is None:
+        yield
+        return
+    # and the free top of the heap is kept too, as glibc's own adjustment would (twice the threshold)
+    libc.mallopt(M_MMAP_THRESHOLD, REUSE_THRESHOLD_BYTES)
+    libc.mallopt(M_TRIM_THRESHOLD, 2 * REUSE_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, STOCK_TRIM_THRESHOLD_BYTES)
+        libc.malloc_trim(0)
 
 
 def trim_freed_heap() -> None:

@@ -289,8 +289,9 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         quantization, seconds = unit_quantization_section(module, recipe.quantization, options), {}
     else:
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
-        quantization, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer,
-                                                request.max_seq_len)
+        with malloc_policy.reusing_large_blocks():  # AWQ's and mixed precision's passes over the calibration text
+            quantization, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer,
+                                                    request.max_seq_len)
     stages.end(started, timings, "quantize")
     timings.update(seconds)
     started = stages.begin(f"exporting for {recipe.name}")

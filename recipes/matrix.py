@@ -309,7 +309,8 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     pending: dict[object, Cell] = {}
     finished = 0
     for cell in todo:
-        estimate = estimate_job(cell.entry.llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len, cell.generate)
+        estimate = estimate_job(cell.entry.llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len, cell.generate,
+                                options={cell.recipe: cell.options})
         refused = refusal(cell, estimate, node_memory)
         if refused is not None:
             write_atomically(cell_path(out, cell), json.dumps(refused, indent=2).encode())

@@ -37,6 +37,9 @@ EVAL_TOKENS_PER_CHAR = 0.3
 # scoring a text: its log-softmax, the reference's and their difference, over the text's logits.
 SCORING_RATIO = 3.0
 PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
+# quantizing with an algorithm that looks at the whole float model (AWQ, SpinQuant, mixed precision;
+# quant/quantize.py): the float module built whole, and the calibration passes' activations and searches, over it.
+WHOLE_MODEL_TRANSIENT = 1.0
 
 
 @dataclass(frozen=True)
@@ -136,23 +139,26 @@ def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
 
 
 def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
-                 budget_bytes: int | None = None) -> JobEstimate:
+                 budget_bytes: int | None = None, options: dict | None = None) -> JobEstimate:
     """Peak RSS and output disk of running `recipes` (registry Recipes) on a model with this config.
     With generation, the eager reference computes in fp32 on the checkpoint's own weights (a half-precision
     checkpoint's matrices stay in its dtype, models/compute_dtype.py) when that fits in `budget_bytes` (default:
-    this host's, see memory_budget), else in the checkpoint's own dtype."""
+    this host's, see memory_budget), else in the checkpoint's own dtype. options: recipe name -> its options
+    (recipes/run.py: recipe_options), which say whether it quantizes the whole float model at once."""
     if generate:
         budget = memory_budget()[0] if budget_bytes is None else budget_bytes
         stored = checkpoint_dtype(config)
-        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored)
+        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options)
         if fp32.peak_rss_bytes <= budget or stored == torch.float32:
             return fp32
-        return _estimate(config, recipes, max_seq_len, stored)
-    return _estimate(config, recipes, max_seq_len, None)
+        return _estimate(config, recipes, max_seq_len, stored, options=options)
+    return _estimate(config, recipes, max_seq_len, None, options=options)
 
 
 def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
-              reference_weight_dtype: torch.dtype | None = None) -> JobEstimate:
+              reference_weight_dtype: torch.dtype | None = None, options: dict | None = None) -> JobEstimate:
+    from quant.calibration import CALIBRATION_TOKENS
+    from quant.quantize import quantizes_by_unit
     from quant.schemes import SCHEMES
 
     w = _weights(config)
@@ -188,6 +194,13 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         before = BASE_BYTES + kept + sum(v for k, v in kept_modules.items() if k != key)
         needed_later = key is not None and key in keys[index + 1:]
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
+        recipe_options = (options or {}).get(recipe.name, {})
+        if scheme.apply is not None and not quantizes_by_unit(recipe.quantization, recipe_options):
+            float_module = (w.linears + w.output + w.embedding) * torch.finfo(scheme.module_dtype).bits // 8
+            quantize = before + module + float_module * (1 + WHOLE_MODEL_TRANSIENT)
+            if recipe_options.get("mixed_precision_budget"):
+                # quant/mixed_precision.py: an all-int4 and an all-8-bit copy, and fp32's calibration log-probs
+                quantize += module + (w.linears + w.output + w.embedding) + CALIBRATION_TOKENS * vocab * 4
         if scheme.quantize_exported is not None:  # PT2E: observers and the converted copy over the float module
             quantize = before + module * recipe.backend.pt2e_memory_ratio
         run = {
@@ -235,24 +248,30 @@ def memory_budget() -> tuple[int, str]:
     return int(budget), where
 
 
-def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool) -> JobEstimate:
+def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, options: dict | None = None) -> JobEstimate:
     """The job's estimate, or a UserFacingError with its numbers and what would fit instead."""
     budget, where = memory_budget()
-    estimate = estimate_job(config, recipes, max_seq_len, generate, budget)
+    estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options)
     if estimate.peak_rss_bytes <= budget:
         return estimate
-    options = []
+    choices = []
     if generate:
-        export_only = estimate_job(config, recipes, max_seq_len, False, budget)
-        options.append(f"an export-only run (--export-only: {export_only.peak_rss_bytes / GB:.1f} GB)")
+        export_only = estimate_job(config, recipes, max_seq_len, False, budget, options)
+        choices.append(f"an export-only run (--export-only: {export_only.peak_rss_bytes / GB:.1f} GB)")
     if len(recipes) > 1:
-        alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget).peak_rss_bytes for r in recipes}
-        options.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
+        alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget, options).peak_rss_bytes
+                 for r in recipes}
+        choices.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
+    if options and any(options.values()):
+        by_unit = estimate_job(config, recipes, max_seq_len, generate, budget)
+        if by_unit.peak_rss_bytes < estimate.peak_rss_bytes:
+            choices.append("each scheme's default algorithm without a mixed-precision budget, which quantizes "
+                           f"piece by piece ({by_unit.peak_rss_bytes / GB:.1f} GB)")
     if max_seq_len > 256:
-        shorter = estimate_job(config, recipes, 256, generate, budget)
-        options.append(f"a smaller max context (--max-seq-len 256: {shorter.peak_rss_bytes / GB:.1f} GB)")
+        shorter = estimate_job(config, recipes, 256, generate, budget, options)
+        choices.append(f"a smaller max context (--max-seq-len 256: {shorter.peak_rss_bytes / GB:.1f} GB)")
     raise UserFacingError(
         f"this job needs about {estimate.peak_rss_bytes / GB:.1f} GB of memory at its peak ({estimate.peak_stage}) "
-        f"but {where} allows {budget / GB:.1f} GB; choose " + (", or ".join(options) or "a smaller model") + "."
+        f"but {where} allows {budget / GB:.1f} GB; choose " + (", or ".join(choices) or "a smaller model") + "."
     )
 

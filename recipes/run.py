@@ -186,7 +186,9 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     estimates: list = []  # the job's memory estimate, made from the config before any weight is read
 
     def check_memory(config) -> None:
-        estimates.append(memory_estimate.check_job_fits(config, recipes, request.max_seq_len, request.generate))
+        options = {recipe.name: recipe_options(recipe, request) for recipe in recipes}
+        estimates.append(memory_estimate.check_job_fits(config, recipes, request.max_seq_len, request.generate,
+                                                        options))
 
     checkpoint = load_checkpoint(
         request.model, revision=request.revision, token=request.token, allow_pickle=request.allow_pickle,

@@ -195,6 +195,31 @@ def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit()
     assert tight.stages["reference"] < roomy.stages["reference"]
 
 
+def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_where_it_does_not_fit(monkeypatch):
+    """AWQ and mixed precision build the whole float model before quantizing (quant/quantize.py), HQQ one piece at
+    a time: at Llama-3.2-1B's shape that is gigabytes the estimate must count before the job starts."""
+    from bench.scale_models import CONFIGS
+    from recipes.memory_estimate import LIMIT_ENV, check_job_fits, parameter_count
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**CONFIGS["llama-3.2-1b"])
+    recipe = get_recipe("xnnpack-8da4w")
+    by_unit = estimate_job(config, [recipe], 256, False, options={recipe.name: {"quant_algorithm": "hqq"}})
+    awq = estimate_job(config, [recipe], 256, False, options={recipe.name: {"quant_algorithm": "awq"}})
+    mixed = estimate_job(config, [recipe], 256, False,
+                         options={recipe.name: {"quant_algorithm": "hqq", "mixed_precision_budget": 0.1}})
+    assert awq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] > 4 * parameter_count(config)
+    assert mixed.peak_rss_bytes > awq.peak_rss_bytes > by_unit.peak_rss_bytes
+    assert awq.recipes[0].stages["lower"] == by_unit.recipes[0].stages["lower"]
+
+    monkeypatch.setenv(LIMIT_ENV, str((by_unit.peak_rss_bytes + awq.peak_rss_bytes) / 2 / 1e9))
+    check_job_fits(config, [recipe], 256, False, {recipe.name: {"quant_algorithm": "hqq"}})
+    with pytest.raises(UserFacingError, match="GB of memory at its peak") as info:
+        check_job_fits(config, [recipe], 256, False, {recipe.name: {"quant_algorithm": "awq"}})
+    assert f"each scheme's default algorithm without a mixed-precision budget, which quantizes piece by piece " \
+           f"({by_unit.peak_rss_bytes / 1e9:.1f} GB)" in str(info.value)
+
+
 def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
     """zoo/results.json: whole jobs' and export-only peak RSS as `python -m recipes matrix` measured them, from
     the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""

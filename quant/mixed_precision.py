@@ -25,10 +25,11 @@ def weight_bytes(weight: torch.Tensor) -> int:
     return weight.numel() * weight.element_size()
 
 
-def linear_weight_bytes(module: torch.nn.Module, prefix: str = "") -> int:
-    """Weight bytes of the linears under `prefix`: what a decode step reads (an embedding reads one row)."""
+def linear_weight_bytes(module: torch.nn.Module, units: tuple[str, ...] | None = None) -> int:
+    """Weight bytes of the linears (of `units` only, when given): what a decode step reads (an embedding reads
+    one row)."""
     return sum(weight_bytes(m.weight) for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.startswith(prefix))
+               if isinstance(m, torch.nn.Linear) and (units is None or in_units(name, units)))
 
 
 def mixed_units(module: torch.nn.Module) -> list[str]:
@@ -49,11 +50,6 @@ def in_units(fqn: str, units: tuple[str, ...]) -> bool:
     return any(fqn == unit or fqn.startswith(unit + ".") for unit in units)
 
 
-def _unit_bytes(module: torch.nn.Module, unit: str) -> int:
-    return sum(weight_bytes(m.weight) for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and in_units(name, (unit,)))
-
-
 @torch.no_grad()
 def _log_probs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[torch.Tensor]:
     out = []
@@ -66,13 +62,8 @@ def _log_probs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[tor
 @torch.no_grad()
 def _mean_kl(reference: list[torch.Tensor], module: torch.nn.Module, windows: list[torch.Tensor]) -> float:
     """Mean over positions of KL(fp32 || module)."""
-    total, positions = 0.0, 0
-    for ref, tokens in zip(reference, windows):
-        module.reset_cache()
-        log_q = torch.log_softmax(module(tokens, torch.tensor([0]))[0].float(), dim=-1)
-        total += (ref.exp() * (ref - log_q)).sum().item()
-        positions += ref.shape[0]
-    return total / positions
+    total = sum((ref.exp() * (ref - log_q)).sum().item() for ref, log_q in zip(reference, _log_probs(module, windows)))
+    return total / sum(ref.shape[0] for ref in reference)
 
 
 @torch.no_grad()
@@ -94,7 +85,7 @@ def choose_8bit_units(module: torch.nn.Module, quantize: Callable[[torch.nn.Modu
         trial.set_submodule(unit, eight.get_submodule(unit))
         gain[unit] = int4_kl - _mean_kl(reference, trial, windows)
         trial.set_submodule(unit, own)
-        cost[unit] = _unit_bytes(eight, unit) - _unit_bytes(trial, unit)
+        cost[unit] = linear_weight_bytes(eight, (unit,)) - linear_weight_bytes(trial, (unit,))
     base = linear_weight_bytes(trial)
     chosen, spent = [], 0
     for unit in sorted(units, key=lambda u: -gain[u] / cost[u]):

@@ -196,11 +196,12 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
         recipe_options = (options or {}).get(recipe.name, {})
         if scheme.apply is not None and not quantizes_by_unit(recipe.quantization, recipe_options):
-            float_module = (w.linears + w.output + w.embedding) * torch.finfo(scheme.module_dtype).bits // 8
+            built = w.linears + w.output + w.embedding  # the module's weights, the tied output layer its own copy
+            float_module = built * torch.finfo(scheme.module_dtype).bits // 8
             quantize = before + module + float_module * (1 + WHOLE_MODEL_TRANSIENT)
             if recipe_options.get("mixed_precision_budget"):
                 # quant/mixed_precision.py: an all-int4 and an all-8-bit copy, and fp32's calibration log-probs
-                quantize += module + (w.linears + w.output + w.embedding) + CALIBRATION_TOKENS * vocab * 4
+                quantize += module + built + CALIBRATION_TOKENS * vocab * 4
         if scheme.quantize_exported is not None:  # PT2E: observers and the converted copy over the float module
             quantize = before + module * recipe.backend.pt2e_memory_ratio
         run = {

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-_ANNOTATION = "quantization_annotation"  # the node.meta key PT2E quantizers annotate
+ANNOTATION = "quantization_annotation"  # the node.meta key PT2E quantizers annotate
 
 
 def is_output_layer(node: torch.fx.Node) -> bool:
@@ -37,19 +37,19 @@ def share_kv_cache_encoding(gm: torch.fx.GraphModule) -> None:
         buffer, updated = node.args
         if not (buffer.op == "get_attr" and str(buffer.target).endswith("_cache")):
             continue
-        reads = [u for u in buffer.users if u is not node and _ANNOTATION in u.meta
-                 and buffer in u.meta[_ANNOTATION].input_qspec_map]
-        if len(reads) != 1 or _ANNOTATION not in updated.meta:
+        reads = [u for u in buffer.users if u is not node and ANNOTATION in u.meta
+                 and buffer in u.meta[ANNOTATION].input_qspec_map]
+        if len(reads) != 1 or ANNOTATION not in updated.meta:
             raise RuntimeError(f"unexpected KV cache update form around {buffer.target}: reads {reads}")
         read = reads[0]
-        spec = read.meta[_ANNOTATION].input_qspec_map[buffer]
+        spec = read.meta[ANNOTATION].input_qspec_map[buffer]
         observer = MinMaxObserver.with_args(dtype=spec.dtype, quant_min=spec.quant_min, quant_max=spec.quant_max,
                                             qscheme=spec.qscheme)
-        read.meta[_ANNOTATION].input_qspec_map[buffer] = dataclasses.replace(spec, observer_or_fake_quant_ctr=observer)
+        read.meta[ANNOTATION].input_qspec_map[buffer] = dataclasses.replace(spec, observer_or_fake_quant_ctr=observer)
         # The read edge comes first in the graph, so the later tensors share its observer (PT2E cannot
         # share with an observer it has not created yet).
-        read.meta[_ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
-        updated.meta[_ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
+        read.meta[ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
+        updated.meta[ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
 
 
 def quantize_pt2e(program: torch.export.ExportedProgram, calibration, quantizer_for: Callable,

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # before any QNN library: loading them first crashed the adaptor ("Pure virtual function called")
 
 from errors import UserFacingError
-from quant.pt2e import is_output_layer, share_kv_cache_encoding
+from quant.pt2e import ANNOTATION, is_output_layer, share_kv_cache_encoding
 from recipes.registry import Backend, recipe
 
 QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK the pinned executorch is built against
@@ -52,7 +53,7 @@ NO_QNN_LIBRARIES = (
 )
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class QnnLibraries:
     source: str  # QNN_SDK_ROOT | LD_LIBRARY_PATH | executorch cache | onnxruntime-qnn
     lib_dir: Path  # holds libQnnHtp.so and libQnnSystem.so
@@ -138,7 +139,7 @@ def _sdk_root_for(libraries: QnnLibraries) -> Path:
     return _SHAPED_ROOTS[lib_dir]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LoadedQnn:
     libraries: QnnLibraries
     version: str  # QNN build id of libQnnHtp.so, e.g. v2.47.0.260601114230
@@ -287,16 +288,53 @@ QNN_16A4W_BLOCK = 32
 BLOCK_QUANTIZED_SCHEMES = ("16a4w",)
 
 
+@functools.cache
+def _block_observer_on_qnn_scale_grid():
+    from executorch.backends.qualcomm.quantizer.observers.per_block_param_observer import PerBlockParamObserver
+
+    class BlockObserverOnQnnScaleGrid(PerBlockParamObserver):
+        """Block scales that QNN's block-wise expansion (LPBQ) stores as they are.
+
+        QNN keeps one float scale per output channel and each block's scale as a 4-bit multiple of it
+        (k/16 of the channel's largest block scale, k in 1..16): its node visitor rounds every block's scale
+        onto that grid but keeps the integer weights, which convert_pt2e quantized with the unrounded scale.
+        The device then computed other numbers than the simulation. Rounded here, before convert_pt2e
+        quantizes the weights, the weights, the simulation and the context binary share one set of scales."""
+
+        def calculate_qparams(self):
+            scale, zero_point = super().calculate_qparams()
+            step = scale.amax(dim=-1, keepdim=True) / self.num_steps
+            multiple = torch.clamp(torch.round(scale / step), 1, self.num_steps)
+            return multiple * step, zero_point
+
+    return PerBlockParamObserver, BlockObserverOnQnnScaleGrid
+
+
+def put_block_scales_on_qnn_grid(gm: torch.fx.GraphModule) -> None:
+    """A custom annotation (after the quantizer's own): every block-quantized weight observed by
+    BlockObserverOnQnnScaleGrid, with the quantizer's own arguments (block size, range, eps)."""
+    per_block, on_grid = _block_observer_on_qnn_scale_grid()
+    for node in gm.graph.nodes:
+        annotation = node.meta.get(ANNOTATION)
+        for edge, spec in (annotation.input_qspec_map.items() if annotation else ()):
+            make = getattr(spec, "observer_or_fake_quant_ctr", None)
+            if getattr(getattr(make, "p", None), "func", None) is per_block:
+                annotation.input_qspec_map[edge] = dataclasses.replace(
+                    spec, observer_or_fake_quant_ctr=on_grid.with_args(**make.p.keywords))
+
+
 def qnn_quantizer(scheme: str, options: dict, module: torch.fx.GraphModule):
     """The QnnQuantizer for `scheme`; module: the graph it will annotate (16a4w's block sizes are per node)."""
     soc, _arch = chipset(options)  # also imports executorch.backends.qualcomm without an SDK download
     from executorch.backends.qualcomm.quantizer.quantizer import ModuleQConfig, QnnQuantizer, QuantDtype
 
     quantizer = QnnQuantizer(soc_model=soc)
+    block_quantized = scheme in BLOCK_QUANTIZED_SCHEMES
     # QNN's default activation observer is a moving average: without one shared encoding per KV cache the
     # one-token calls clamp the keys already cached.
-    quantizer.add_custom_quant_annotations((share_kv_cache_encoding,))
-    if scheme in BLOCK_QUANTIZED_SCHEMES:
+    quantizer.add_custom_quant_annotations(
+        (share_kv_cache_encoding, *((put_block_scales_on_qnn_grid,) if block_quantized else ())))
+    if block_quantized:
         quantizer.set_default_quant_config(QuantDtype.use_16a4w_block, is_conv_per_channel=True,
                                            is_linear_per_channel=True)
         linears = [n for n in module.graph.nodes

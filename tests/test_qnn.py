@@ -175,6 +175,48 @@ def test_block_quantized_linears_wider_than_256_outputs_lower_for_real(wide_llam
 
 
 @needs_qnn
+def test_the_block_scales_qnn_encodes_are_the_ones_the_weights_and_the_simulation_use(tiny_checkpoint,
+                                                                                      monkeypatch, tmp_path):
+    """QNN stores a 4-bit block's scale as k/16 of its channel's largest (k in 1..16) and keeps the integer
+    weights convert_pt2e made. The scales its node visitor really encodes, read back from a real lowering,
+    must equal the scales that quantized those weights, which the simulation dequantizes with."""
+    from executorch.backends.qualcomm.builders.node_visitor import NodeVisitor
+    from executorch.backends.qualcomm.utils.constants import QCOM_BLOCK_SCALE_OFFSET, QCOM_BLOCK_SCALES, QCOM_SCALE
+
+    from models.llama import build_exportable
+    from quant.calibration import calibration_inputs
+    from recipes.lowering import export_program, lower_for_backend
+    from recipes.registry import get_recipe
+    from recipes.run import quantize_exported
+
+    encoded = {}  # weight node -> (scales that quantized it, scales QNN encodes); the partitioner's op check and
+    real = NodeVisitor.make_qnn_per_block_config  # the compile both visit it
+
+    def recording(self, node, quant_attrs):
+        encoding, config = real(self, node, quant_attrs)
+        channels = len(config[QCOM_BLOCK_SCALE_OFFSET])
+        per_channel = torch.tensor(config[QCOM_BLOCK_SCALE_OFFSET]["scale"]).unsqueeze(-1)
+        blocks = torch.tensor(config[QCOM_BLOCK_SCALES].astype("int64")).reshape(channels, -1)
+        encoded[node.name] = (quant_attrs[QCOM_SCALE].reshape(channels, -1).float(), per_channel * blocks)
+        return encoding, config
+
+    monkeypatch.setattr(NodeVisitor, "make_qnn_per_block_config", recording)
+    recipe = get_recipe("qnn-16a4w")
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
+    program, simulated = quantize_exported(recipe, export_program(module, 32), calibration_inputs(
+        tiny_checkpoint.tokenizer, 32), dict(recipe.options), 32)
+    lower_for_backend(program, recipe, recipe.make_partitioners(dict(recipe.options)), pte_path=tmp_path / "model.pte")
+
+    assert len(encoded) == 2 * 7  # every layer linear; the output layer is 8-bit per channel
+    simulated_scales = [getattr(simulated, n.args[2].target) for n in simulated.graph.nodes
+                        if n.op == "call_function" and "dequantize_affine" in str(n.target)]
+    for scales_of_the_weights, scales_on_the_device in encoded.values():
+        assert torch.allclose(scales_on_the_device, scales_of_the_weights, rtol=1e-6, atol=0)
+        assert any(s.shape == scales_of_the_weights.shape and torch.equal(s.float(), scales_of_the_weights)
+                   for s in simulated_scales)
+
+
+@needs_qnn
 @pytest.mark.builtin
 @pytest.mark.skipif(
     os.environ.get("LOWERBENCH_QNN_BUILTIN") != "1",

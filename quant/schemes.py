@@ -91,12 +91,14 @@ def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = 
     8da8w."""
     from torchao.quantization import quantize_
 
+    from quant.algorithms import hqq_by_cache_sized_rows
     from quant.mixed_precision import in_units
 
     if units_8bit:
         quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and in_units(fqn, units_8bit))
-    quantize_(module, config_8da4w(group_size, algorithm),
-              filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
+    with hqq_by_cache_sized_rows():
+        quantize_(module, config_8da4w(group_size, algorithm),
+                  filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
 
 
 def config_weight_only(bits: int, group_size: int | None, algorithm: str = "minmax"):
@@ -117,7 +119,10 @@ def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int |
     graph, for a backend that takes the pair whole and stores compressed weights (int4 block-wise, int8 per channel)."""
     from torchao.quantization import quantize_
 
-    quantize_(module, config_weight_only(bits, group_size, algorithm), filter_fn=_is_linear)
+    from quant.algorithms import hqq_by_cache_sized_rows
+
+    with hqq_by_cache_sized_rows():
+        quantize_(module, config_weight_only(bits, group_size, algorithm), filter_fn=_is_linear)
 
 
 def _int4_weight(module: nn.Module, args: QuantArgs) -> None:

@@ -95,6 +95,38 @@ def test_awq_is_no_worse_than_minmax_under_the_pt2e_16a4w_quantizer(random_llama
     _assert_no_worse_than_minmax(_pt2e_logits_error(random_llama, "awq"), _pt2e_logits_error(random_llama, "minmax"))
 
 
+def test_hqq_fits_a_block_of_rows_at_a_time_with_the_result_of_one_whole_fit(monkeypatch):
+    """quantize_linears_8da4w calls torchao's HQQ fit once per block of rows (quant.algorithms.
+    hqq_by_cache_sized_rows); the integers and scales it makes are those of one call on the whole matrix."""
+    from torch import nn
+    from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
+
+    import quant.algorithms as algorithms
+    from quant.schemes import quantize_linears_8da4w
+
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 256) * torch.rand(1000, 1)  # rows of different ranges
+    whole = intx._choose_qparams_and_quantize_scale_only_hqq
+    rows_per_call = []
+
+    def counting(hp_tensor, *args, **kwargs):
+        rows_per_call.append(hp_tensor.shape[0])
+        return whole(hp_tensor, *args, **kwargs)
+
+    monkeypatch.setattr(intx, "_choose_qparams_and_quantize_scale_only_hqq", counting)
+    monkeypatch.setattr(algorithms, "HQQ_BLOCK_ELEMENTS", 300 * 256)
+    module = nn.Sequential(nn.Linear(256, 1000, bias=False))
+    module[0].weight.data.copy_(weight)
+    quantize_linears_8da4w(module, 32, "hqq")
+
+    assert rows_per_call == [300, 300, 300, 100]
+    assert intx._choose_qparams_and_quantize_scale_only_hqq is counting  # put back after the block
+    expected_qdata, expected_scale = whole(weight, [1, 32], -8, 7)
+    quantized = module[0].weight
+    assert torch.equal(quantized.qdata, expected_qdata.to(torch.int8))
+    assert torch.equal(quantized.scale.reshape(expected_scale.shape), expected_scale)
+
+
 def test_pt2e_scheme_refuses_hqq_and_spinquant_with_why():
     from quant.quantize import check_options
 

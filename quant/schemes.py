@@ -159,12 +159,14 @@ def _fp16(module: nn.Module, args: QuantArgs) -> None:
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
 
 
-# The default first. For the dynamic-activation schemes it is the one chosen by measurement on the built-in
-# model (README, "Quantization and fidelity"): HQQ's scales, same program and bytes, within the quantize-time
-# allowance. Weight-only int4 keeps min/max until measured on the backends that take it.
+# The default first, chosen by measurement on the built-in model (docs/quantization.md): the
+# most faithful within the same program and bytes and the quantize-time allowance. For the dynamic-activation
+# schemes HQQ's scales, since AWQ needs the whole float model where HQQ goes piece by piece; for 16a4w AWQ,
+# since its PT2E quantizer holds the whole float model anyway. Weight-only int4 keeps min/max until measured
+# on the backends that take it.
 INT4_ALGORITHMS = ("minmax", "hqq", "awq", "spinquant")
 DYNAMIC_INT4_ALGORITHMS = ("hqq", "minmax", "awq", "spinquant")
-PT2E_INT4_ALGORITHMS = ("minmax", "awq")
+PT2E_INT4_ALGORITHMS = ("awq", "minmax")
 PT2E_INT4_BLOCK = 32
 
 SCHEMES: dict[str, Scheme] = {

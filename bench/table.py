@@ -350,9 +350,11 @@ def _front_beats(row: dict) -> str:
 def _front_8bit(row: dict) -> str:
     from quant.mixed_precision import describe_units
 
-    if not row.get("units_8bit"):
+    # rows measured before the output layer became a unit list decoder layer indices
+    units = row.get("units_8bit") or [f"model.layers.{i}" for i in row.get("layers_8bit") or ()]
+    if not units:
         return "–" if not row["mixed_precision_budget"] else "none fit"
-    return f"{describe_units(row['units_8bit'])}, +{fmt(row['extra_bytes_per_token'] / 1e6, 2)} MB/token"
+    return f"{describe_units(units)}, +{fmt(row['extra_bytes_per_token'] / 1e6, 2)} MB/token"
 
 
 def _front_engine(row: dict) -> str:

@@ -116,3 +116,12 @@ def test_a_save_earlier_in_the_same_invocation_is_not_an_earlier_invocation():
     meta = {"date": "now"}
     keep_unmeasured(first, meta, again)
     assert len(again["runs"]) == 2 and meta["earlier_meta"] == {"date": "before"}
+
+
+def test_a_mixed_precision_row_of_the_older_layout_names_its_decoder_layers():
+    """Rows recorded before units_8bit held decoder layer indices under layers_8bit."""
+    from bench.table import _front_8bit
+
+    old = {"layers_8bit": [0, 24], "units_8bit": None, "mixed_precision_budget": 0.15, "extra_bytes_per_token": 3_000_000}
+    assert _front_8bit(old) == "decoder layers 0, 24, +3.00 MB/token"
+    assert _front_8bit({**old, "layers_8bit": None}) == "none fit"

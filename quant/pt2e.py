@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+import torch_export
+
 ANNOTATION = "quantization_annotation"  # the node.meta key PT2E quantizers annotate
 
 
@@ -52,6 +54,31 @@ def share_kv_cache_encoding(gm: torch.fx.GraphModule) -> None:
         updated.meta[ANNOTATION].output_qspec = SharedQuantizationSpec((buffer, read))
 
 
+def _forget_cached_modules() -> None:
+    """prepare_pt2e and convert_pt2e look up each module's device through functions under an unbounded
+    functools.cache keyed by the module: every module quantized stayed referenced there, float weights and
+    all, for the rest of the process. The devices are found again when needed."""
+    import torch.ao.quantization.fx.utils as torch_fx_utils
+    import torchao.utils
+
+    torchao.utils._assert_and_get_unique_device.cache_clear()
+    torch_fx_utils.assert_and_get_unique_device.cache_clear()
+
+
+def drop_unused_state(gm: torch.fx.GraphModule) -> None:
+    """Deletes the parameters and buffers no node of the graph reads.
+
+    convert_pt2e folds each weight's quantize op into an integer constant and then deletes the float weights
+    it no longer reads, but only those at the module's top level: a nested one (`model.layers.0.mlp...`)
+    stays, so every float weight lived on beside its integer copy, in the converted module and in the program
+    exported from it, through lowering."""
+    read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    owned = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    for name in {name for name, _ in owned if name not in read}:
+        owner, _, attribute = name.rpartition(".")
+        delattr(gm.get_submodule(owner) if owner else gm, attribute)
+
+
 def quantize_pt2e(program: torch.export.ExportedProgram, calibration, quantizer_for: Callable,
                   static_tokens: int | None, max_seq_len: int):
     """(quantized ExportedProgram to lower, converted module that simulates it).
@@ -62,19 +89,23 @@ def quantize_pt2e(program: torch.export.ExportedProgram, calibration, quantizer_
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     module = program.module()
-    prepared = prepare_pt2e(module, quantizer_for(module))
-    with torch.no_grad():
-        for tokens, input_pos in calibration:
-            prepared(tokens, input_pos)
-    converted = convert_pt2e(prepared)
+    try:
+        prepared = prepare_pt2e(module, quantizer_for(module))
+        with torch.no_grad():
+            for tokens, input_pos in calibration:
+                prepared(tokens, input_pos)
+        converted = convert_pt2e(prepared)
+    finally:
+        _forget_cached_modules()
+    del module, prepared
+    drop_unused_state(converted)
     for name, buffer in converted.named_buffers():
         if name.endswith("_cache"):
             buffer.zero_()  # calibration filled the KV caches; the program starts from empty ones
     tokens = static_tokens or 2
     example = (torch.zeros((1, tokens), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
     dynamic = None if static_tokens else ({1: torch.export.Dim("seq_len", min=1, max=max_seq_len)}, None)
-    with torch.no_grad():
-        quantized = torch.export.export(converted, example, dynamic_shapes=dynamic, strict=True)
+    quantized = torch_export.export(converted, example, dynamic_shapes=dynamic, strict=True)
     # The simulation runs `converted`, which takes any number of tokens: the same quantization, without
     # feeding a prefill or the fidelity text through a static program token by token.
     return quantized, converted

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import malloc_policy
+import torch_export
 from recipes.delegation import delegation_table
 
 
@@ -185,8 +186,7 @@ def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = Tru
     grouped KV heads adds a guard that refuses seq_len == max_seq_len."""
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
     seq = torch.export.Dim("seq_len", min=1, max=max_seq_len)
-    with torch.no_grad():
-        return torch.export.export(module, example, dynamic_shapes=({1: seq}, None), strict=strict)
+    return torch_export.export(module, example, dynamic_shapes=({1: seq}, None), strict=strict)
 
 
 def lower_to_pte(

@@ -262,3 +262,34 @@ def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_
     assert mean_kl(tuple(kept))[0] < int4_kl
     assert choose_8bit_units(module, quantize, list(calibration), 1.0)["units_8bit"] == list(gain)
     assert choose_8bit_units(module, quantize, list(calibration), min(cost.values()) / base / 2)["units_8bit"] == []
+
+
+def test_pt2e_quantization_lets_the_float_weights_go_and_keeps_only_the_integer_ones(tiny_checkpoint):
+    """The converted module and the program exported from it hold each quantized weight once, as integers;
+    the float module and its program are freed when the caller drops them (no cache keeps them)."""
+    import gc
+    import weakref
+
+    from quant.calibration import calibration_inputs
+    from recipes.lowering import export_program
+    from recipes.run import quantize_exported
+
+    from models.llama import build_exportable
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("qnn-16a4w")
+    config, state_dict = tiny_checkpoint.config, tiny_checkpoint.state_dict
+    module = build_exportable(config, state_dict, recipe.export_options(64))
+    linears = {name: weakref.ref(m.weight) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    program = export_program(module, 64, strict=recipe.backend.strict_export)
+    quantized, converted = quantize_exported(recipe, program, calibration_inputs(tiny_checkpoint.tokenizer, 64)[:1],
+                                             {"quant_algorithm": "minmax"}, 64)
+    del module, program
+    gc.collect()
+    assert [name for name, weight in linears.items() if weight() is not None] == []
+    for held in (dict(converted.state_dict()), {**quantized.state_dict, **quantized.constants}):
+        linear_shaped = [name for name, t in held.items()
+                         if t.dtype.is_floating_point and t.dim() == 2 and t.shape[1] == config.hidden_size
+                         and "embed" not in name]
+        assert linear_shaped == [], f"float copies of quantized weights are still held: {linear_shaped[:3]}"

@@ -279,23 +279,14 @@ def test_pte_is_written_from_executorchs_pieces_and_equals_the_joined_bytes(tiny
     assert [p.name for p in tmp_path.iterdir()] == ["model.pte"]
 
 
-class _Linear(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inner = torch.nn.Linear(64, 64)
-
-    def forward(self, x):
-        return self.inner(x)
-
-
 def test_a_strict_export_leaves_nothing_that_keeps_the_module_alive():
     import gc
     import weakref
 
     import torch_export
 
-    module = _Linear()
-    weight = weakref.ref(module.inner.weight)
+    module = torch.nn.Linear(64, 64)
+    weight = weakref.ref(module.weight)
     program = torch_export.export(module, (torch.randn(2, 64),), strict=True)
     again = torch_export.export(module, (torch.randn(2, 64),), strict=True)  # Dynamo's caches stay usable
     x = torch.randn(2, 64)
@@ -303,4 +294,3 @@ def test_a_strict_export_leaves_nothing_that_keeps_the_module_alive():
     del module, program, again
     gc.collect()
     assert weight() is None, "something still holds the exported module's weights"
-

@@ -270,12 +270,11 @@ def test_pt2e_quantization_lets_the_float_weights_go_and_keeps_only_the_integer_
     import gc
     import weakref
 
+    from models.llama import build_exportable
     from quant.calibration import calibration_inputs
     from recipes.lowering import export_program
-    from recipes.run import quantize_exported
-
-    from models.llama import build_exportable
     from recipes.registry import get_recipe
+    from recipes.run import quantize_exported
 
     recipe = get_recipe("qnn-16a4w")
     config, state_dict = tiny_checkpoint.config, tiny_checkpoint.state_dict

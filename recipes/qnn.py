@@ -110,6 +110,7 @@ def import_qnn_backend() -> None:
     """Imports executorch.backends.qualcomm without triggering its network SDK download."""
     import sys
 
+    _gnu_cxx_runtime_first()
     if "executorch.backends.qualcomm" in sys.modules:
         return
     libraries = find_qnn_libraries()
@@ -187,6 +188,15 @@ def load_qnn_libraries() -> LoadedQnn:
                  "— for lowering checks, not for shipping")
     _LOADED = LoadedQnn(libraries, version, label)
     return _LOADED
+
+
+def _gnu_cxx_runtime_first() -> None:
+    """ExecuTorch dlopens libQnnHtp.so with RTLD_GLOBAL, and the onnxruntime-qnn wheel's copy brings its own
+    libc++abi and libunwind into the process's global scope. Every library loaded afterwards (ExecuTorch's LLM
+    runner) would then bind __cxa_throw and the unwinder to them and crash on its first C++ exception, in
+    libgcc's personality routine. Promoting the already loaded libstdc++ (with its libgcc_s) to the global
+    scope first keeps one C++ runtime, the one torch and ExecuTorch are built against, first in every lookup."""
+    ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
 
 
 def _wheel_version() -> str:

@@ -132,6 +132,34 @@ def _has_qnn_libraries() -> bool:
 needs_qnn = pytest.mark.skipif(not _has_qnn_libraries(), reason="no QNN host libraries (pip install onnxruntime-qnn==2.3.0)")
 
 
+_RUNNER_AFTER_QNN = """
+import sys
+from recipes import qnn, llm_runner
+qnn.load_qnn_libraries()
+try:
+    llm_runner.generate_with_runner(sys.argv[1], sys.argv[2], None, "hi", 2)
+except llm_runner.RunnerFailed as err:
+    print(err)
+"""
+
+
+@needs_qnn
+def test_the_llm_runner_still_reports_its_errors_once_qnn_libraries_are_loaded(tmp_path):
+    """The wheel's QNN libraries carry their own C++ runtime; the runner loaded after them must still throw and
+    catch its C++ exceptions (here: a tokenizer it cannot read) instead of crashing the process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "model.pte").write_bytes(b"not a program")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    done = subprocess.run([sys.executable, "-c", _RUNNER_AFTER_QNN, str(tmp_path / "model.pte"),
+                           str(tmp_path / "tokenizer.json")], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "could not load model.pte with tokenizer.json" in done.stdout
+
+
 @needs_qnn
 def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
     from recipes.run import RunRequest, run

@@ -27,7 +27,7 @@ def export_recipe(config, state: dict, recipe_name: str, max_seq_len: int) -> tu
     start = time.perf_counter()
     program = export_program(module, max_seq_len, strict=recipe.backend.strict_export)
     timings["export"] = time.perf_counter() - start
-    lowered = lower_for_backend(program, recipe, recipe.make_partitioners(recipe.options))
+    lowered = lower_for_backend(program, recipe, recipe.options)
     timings["lower"], timings["serialize"] = lowered.lower_s, lowered.serialize_s
     return timings, lowered
 

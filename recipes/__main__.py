@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="keep at 8da8w the decoder layers and output layer that bring the logits closest to "
                           "fp32 per byte, within this extra fraction of weight bytes per token, e.g. 0.1 for "
                           "+10 %% (8da4w schemes)")
+    run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="a recipe option, e.g. soc=SM8750 or layers_per_shard=2 for the QNN recipes; repeat for "
+                          "several (`list` shows each recipe's options)")
     run.add_argument("--allow-pickle", action="store_true", help="allow .bin/.pth checkpoints (weights_only load)")
     run.add_argument("--export-only", action="store_true",
                      help="write the .pte and its delegation report only: no sample generations, no fidelity")
@@ -51,11 +54,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def list_recipes() -> str:
     from recipes.registry import compatibility_table, load_backends
+    from recipes.run import recipe_defaults
 
     registry = load_backends()
     lines = [f"{'recipe':<18} {'backend':<9} {'quantization':<14} description"]
     for recipe in sorted(registry.recipes.values(), key=lambda r: r.name):
-        lines.append(f"{recipe.name:<18} {recipe.backend.name:<9} {recipe.quantization:<14} {recipe.description}")
+        options = ", ".join(f"{key}={value}" for key, value in recipe_defaults(recipe).items())
+        lines.append(f"{recipe.name:<18} {recipe.backend.name:<9} {recipe.quantization:<14} {recipe.description}"
+                     + (f" [--option {options}]" if options else ""))
     lines += ["", "where each backend's .pte runs:"]
     lines += [f"  {backend.name:<9} {backend.runs_on}" for backend in registry.backends.values()]
     lines += ["", "schemes each backend takes (--group-size applies to group-wise schemes):", compatibility_table()]
@@ -80,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     from recipes.generate import DEFAULT_PROMPT
-    from recipes.run import RunRequest, run, summary_rows, user_options
+    from recipes.run import RunRequest, recipe_option_pairs, run, summary_rows, user_options
 
-    options = user_options(args.group_size, args.quant_algorithm, args.mixed_precision_budget)
+    try:
+        options = {**recipe_option_pairs(args.option),
+                   **user_options(args.group_size, args.quant_algorithm, args.mixed_precision_budget)}
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     request = RunRequest(
         recipes=args.recipe, out_dir=args.out, model=args.model, revision=args.revision,
         token=os.environ.get("HF_TOKEN"), allow_pickle=args.allow_pickle,

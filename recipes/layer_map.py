@@ -40,7 +40,7 @@ def runtime_layer_outputs(module, recipe, options: dict, windows: list[torch.Ten
     program = export_program(module, max_seq_len, strict=backend.strict_export)
     names = set(decoder_layer_outputs(program))
     program, specs = tap_intermediate_outputs_(program, (lambda node: node.name in names, FULL_TENSOR))
-    lowered = lower_for_backend(program, recipe, recipe.make_partitioners(options), before_serialize=strip_taps_)
+    lowered = lower_for_backend(program, recipe, options, before_serialize=strip_taps_)
     _program, method = load_runtime_method(lowered.pte, backend.runtime_imports)
     captured: list[list[torch.Tensor]] = [[] for _ in specs]
     for tokens in windows:

@@ -274,18 +274,18 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     )
 
 
-def lower_for_backend(program: torch.export.ExportedProgram, recipe, partitioners: list, **options) -> LoweredProgram:
-    """lower_to_pte with what the recipe's backend (a recipes.registry.Recipe's) adds: its edge compile config,
-    its transform passes for the recipe's scheme and its lowering context. `options`: lower_to_pte's other
-    keywords."""
+def lower_for_backend(program: torch.export.ExportedProgram, recipe, options: dict, **lowering) -> LoweredProgram:
+    """lower_to_pte with what the recipe's backend (a recipes.registry.Recipe's) adds for these recipe options:
+    its partitioners, its edge compile config, its transform passes and its lowering context. `lowering`:
+    lower_to_pte's other keywords."""
     backend = recipe.backend
     return lower_to_pte(
         program,
-        partitioners,
-        transform_passes=backend.transform_passes(recipe.quantization) if backend.transform_passes else None,
+        recipe.make_partitioners(options),
+        transform_passes=backend.transform_passes(recipe.quantization, options) if backend.transform_passes else None,
         compile_config=backend.edge_compile_config() if backend.edge_compile_config else None,
         lowering_context=backend.lowering_context,
-        **options,
+        **lowering,
     )
 
 

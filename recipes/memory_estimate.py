@@ -27,6 +27,9 @@ BASE_BYTES = 0.45 * GB
 QUANTIZE_TRANSIENT = 1.5
 # export: torch.export's copies, over the quantized module;
 EXPORT_RATIO = 0.15
+# a PT2E scheme exports the float module before its quantizer sees it: that export's peak, over the float module
+# (fitted to the qnn-16a4w export stages from 135M to Llama-3.2-1B, which agree within a few percent).
+PT2E_EXPORT_RATIO = 2.5
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
 # the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized
@@ -87,15 +90,18 @@ class _Weights:
     layers: int
 
 
-def _lowering_bytes(recipe, w: _Weights, pte: float) -> float:
+def _lowering_bytes(recipe, w: _Weights, pte: float, pte_lin: float, options: dict) -> float:
     """What lowering adds over the exported program: the recipe's own ratio to the .pte if it has one, else
-    the backend's per-weight figures or its ratio, over the backend's base."""
+    the backend's per-weight figures or its ratio, over the backend's base. A backend that compiles the
+    decoder in shards works on the largest shard at a time: its layers and the output layer."""
     backend = recipe.backend
     if recipe.lowering_memory_ratio is None and backend.lowering_memory_per_weight is not None:
         per_linear, per_vocab = backend.lowering_memory_per_weight
         working = per_linear * w.linears + per_vocab * (w.embedding + w.output)
     else:
-        working = pte * (recipe.lowering_memory_ratio or backend.lowering_memory_ratio)
+        layers = backend.layers_compiled_at_once(options)
+        compiled = pte if layers is None else (min(layers, w.layers) * w.per_layer + w.output) * pte_lin
+        working = compiled * (recipe.lowering_memory_ratio or backend.lowering_memory_ratio)
     return backend.lowering_memory_base_bytes + working + backend.lowering_memory_per_layer_bytes * w.layers
 
 
@@ -206,8 +212,8 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             quantize = before + module * recipe.backend.pt2e_memory_ratio
         run = {
             "quantize": quantize,
-            "export": before + module * (1 + EXPORT_RATIO),
-            "lower": before + module + _lowering_bytes(recipe, w, pte),
+            "export": before + module * (PT2E_EXPORT_RATIO if scheme.quantize_exported else 1 + EXPORT_RATIO),
+            "lower": before + module + _lowering_bytes(recipe, w, pte, pte_lin, recipe_options),
             "serialize": before + module + pte * recipe.backend.serialize_memory_ratio,
         }
         if reference_dtype is not None:

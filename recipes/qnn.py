@@ -369,15 +369,53 @@ def qnn_program_passes(program: torch.export.ExportedProgram, scheme: str) -> to
     return QnnHtpPassManager().transform_for_export_pipeline(program)
 
 
-def qnn_edge_passes(scheme: str) -> list:
+# Decoder layers per QNN graph. QNN compiles each partition on its own and holds its working set for that
+# partition only, so the compile's peak follows the largest shard rather than the whole model (docs/qnn.md);
+# the shards run one after another on the device, the residual stream passing between them.
+DEFAULT_LAYERS_PER_SHARD = 4
+
+
+def layers_per_shard(options: dict) -> int:
+    value = options.get("layers_per_shard", DEFAULT_LAYERS_PER_SHARD)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserFacingError(f"layers_per_shard must be a whole number of decoder layers, 1 or more (got {value!r}); "
+                              f"e.g. layers_per_shard={DEFAULT_LAYERS_PER_SHARD}.")
+    return value
+
+
+def split_into_shards(edge_program: torch.export.ExportedProgram, per_shard: int) -> int:
+    """Ends a QNN partition after every `per_shard` decoder layers: the residual stream leaving that layer goes
+    through a `_clone_dim_order`, which QnnPartitioner leaves out for this purpose
+    (executorch/backends/qualcomm/partition/common_defs.py). Returns how many clones were put in."""
+    from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    from recipes.layer_map import decoder_layer_outputs
+
+    graph = edge_program.graph_module.graph
+    nodes = {node.name: node for node in graph.nodes}
+    outputs = decoder_layer_outputs(edge_program)
+    cuts = [nodes[name] for name in outputs[per_shard - 1:-1:per_shard]]
+    for node in cuts:
+        with graph.inserting_after(node):
+            clone = graph.create_node("call_function", exir_ops.edge.dim_order_ops._clone_dim_order.default, (node,))
+        clone.meta.update({k: node.meta[k] for k in ("val", "tensor_meta", "nn_module_stack", QCOM_QUANT_ATTRS)
+                           if k in node.meta})
+        node.replace_all_uses_with(clone, delete_user_cb=lambda user: user is not clone)
+    edge_program.graph_module.recompile()
+    return len(cuts)
+
+
+def qnn_edge_passes(scheme: str, options: dict) -> list:
     """QNN's to_edge stage passes (what to_edge_transform_and_lower_to_qnn hands to
-    to_edge_transform_and_lower), run on the edge program itself. 16a4w: the linears go to QNN as 1x1 conv2d
-    (ExecuTorch's ConvertLinearToConv2d, the form upstream's Qualcomm Llama uses; block sizes become
-    (1, 32, 1, 1), the same numbers): QNN 2.47's HTP graph prepare rejects a block-quantized (LPBQ)
-    FullyConnected with more than 256 output channels ("no properties registered for q::GenPad"); Conv2d
-    takes the same weights (docs/qnn.md)."""
+    to_edge_transform_and_lower), run on the edge program itself, then the split into shards. 16a4w: the
+    linears go to QNN as 1x1 conv2d (ExecuTorch's ConvertLinearToConv2d, the form upstream's Qualcomm Llama
+    uses; block sizes become (1, 32, 1, 1), the same numbers): QNN 2.47's HTP graph prepare rejects a
+    block-quantized (LPBQ) FullyConnected with more than 256 output channels ("no properties registered for
+    q::GenPad"); Conv2d takes the same weights (docs/qnn.md)."""
     from executorch.exir.pass_base import ExportedProgramPassBase, ExportedProgramPassResult
 
+    per_shard = layers_per_shard(options)
     import_qnn_backend()
     from executorch.backends.qualcomm._passes.backends.htp.qnn_htp_pass_manager import QnnHtpPassManager
 
@@ -386,6 +424,7 @@ def qnn_edge_passes(scheme: str) -> list:
             QnnHtpPassManager().transform_for_to_edge_pipeline(
                 exported_program, convert_linear_to_conv2d=scheme in BLOCK_QUANTIZED_SCHEMES
             )
+            split_into_shards(exported_program, per_shard)
             return ExportedProgramPassResult(exported_program, True)
 
     return [QnnToEdgePasses()]
@@ -425,23 +464,28 @@ BACKEND = Backend(
     edge_compile_config=qnn_edge_compile_config,
     transform_passes=qnn_edge_passes,
     describe_options=describe_qnn_options,
+    check_options=layers_per_shard,
     pt2e_quantizer=qnn_quantizer,
     pt2e_program_passes=qnn_program_passes,
     # AWQ's search and PT2E's observers over the fp32 module, then the converted copy beside it.
     pt2e_memory_ratio=2.5,
     # The QNN compile holds its graph, its own copy of the weights and their encodings at once: many times the
-    # .pte, over the QNN libraries' own state. Both fitted to the qnn-16a4w peaks at 135M (full job), 360M and
-    # Llama-3.2-1B (export-only), by stage.
-    lowering_memory_ratio=6.2,
-    lowering_memory_base_bytes=1.5e9,
+    # bytes of the shard it compiles (its layers and, in the last one, the output layer), over the QNN
+    # libraries' own state. Both fitted to the qnn-16a4w lowering peaks at 135M, 360M and Llama-3.2-1B in
+    # shards of four layers.
+    lowering_memory_ratio=10.7,
+    lowering_memory_base_bytes=1.43e9,
+    layers_compiled_at_once=layers_per_shard,
 )
+
+QNN_OPTIONS = {"soc": DEFAULT_SOC, "layers_per_shard": DEFAULT_LAYERS_PER_SHARD}
 
 RECIPES = (
     recipe(BACKEND, "16a4w", "Qualcomm HTP, 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer "
-                             "(PT2E, calibrated; linears lowered as 1x1 conv2d)", options={"soc": DEFAULT_SOC},
+                             "(PT2E, calibrated; linears lowered as 1x1 conv2d)", options=dict(QNN_OPTIONS),
            pte_bytes=_PTE_BYTES_4BIT),
     recipe(BACKEND, "16a8w", "Qualcomm HTP, 16-bit activations, 8-bit per-channel weights (PT2E, calibrated)",
-           options={"soc": DEFAULT_SOC}, pte_bytes=_PTE_BYTES_8BIT),
+           options=dict(QNN_OPTIONS), pte_bytes=_PTE_BYTES_8BIT),
     recipe(BACKEND, "8a8w", "Qualcomm HTP, 8-bit activations, 8-bit per-channel weights (PT2E, calibrated)",
-           options={"soc": DEFAULT_SOC}, pte_bytes=_PTE_BYTES_8BIT),
+           options=dict(QNN_OPTIONS), pte_bytes=_PTE_BYTES_8BIT),
 )

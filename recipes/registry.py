@@ -43,12 +43,14 @@ class Backend:
     # Engine label of the eager generation shown when its .pte cannot run here (or failed to lower).
     eager_engine: str = "eager-quantized"
     edge_compile_config: Callable[[], object] | None = None
-    # (scheme) -> the passes to_edge_transform_and_lower runs on the edge program.
-    transform_passes: Callable[[str], list] | None = None
+    # (scheme, recipe options) -> the passes to_edge_transform_and_lower runs on the edge program.
+    transform_passes: Callable[[str, dict], list] | None = None
     # Entered around the lowering: e.g. its version-guarded dependency patches, restored on exit.
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext
     # What the report records about the compile target of these options (e.g. a SoC and its libraries).
     describe_options: Callable[[dict], dict] = _describes_nothing
+    # Raises UserFacingError for recipe options it cannot take, before any weight is read.
+    check_options: Callable[[dict], None] = lambda options: None
     # Python packages its lowering needs besides torch/executorch/torchao, recorded in every report.
     packages: tuple[str, ...] = ()
     # PT2E schemes: (scheme, options, module to annotate) -> the quantizer, and the passes its
@@ -66,6 +68,9 @@ class Backend:
     # Over either: what lowering holds per decoder layer whatever its width (each layer's partition: its copied
     # graph and its delegate's serialized graph), which is most of a small model's lowering.
     lowering_memory_per_layer_bytes: float = 0.0
+    # (recipe options) -> how many decoder layers one compile holds at a time, for a backend that compiles the
+    # decoder in shards (its ratio then counts the weights of the largest shard, not the whole .pte); None: all.
+    layers_compiled_at_once: Callable[[dict], int | None] = lambda options: None
     pt2e_memory_ratio: float = 3.0
     # Serializing: the program's flatbuffer pieces and what the lowered program still holds, per byte of the .pte.
     serialize_memory_ratio: float = 2.1

@@ -76,6 +76,17 @@ def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=N
     return {key: value for key, value in given.items() if value is not None}
 
 
+def recipe_option_pairs(pairs: list[str]) -> dict:
+    """`KEY=VALUE` strings (the CLI's --option) as recipe options; whole numbers become ints."""
+    options = {}
+    for pair in pairs:
+        key, eq, value = (part.strip() for part in pair.partition("="))
+        if not eq or not key or not value:
+            raise UserFacingError(f"recipe option {pair!r} is not KEY=VALUE; write e.g. --option layers_per_shard=2.")
+        options[key] = int(value) if value.isdigit() else value
+    return options
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -120,9 +131,16 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
     from quant.quantize import check_options
     from quant.schemes import check_group_size
 
+    known = {key for recipe in recipes for key in recipe_defaults(recipe)}
+    # the form's and the CLI's own controls apply to the recipes that take them (user_options)
+    unknown = sorted(set(request.options) - known - {"group_size", "quant_algorithm", "mixed_precision_budget"})
+    if unknown:
+        raise UserFacingError(f"{', '.join(unknown)}: not an option of {', '.join(r.name for r in recipes)}; "
+                              f"their options: {', '.join(sorted(known)) or 'none'}.")
     for recipe in recipes:
         check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
         check_options(recipe.quantization, recipe_options(recipe, request))
+        recipe.backend.check_options(recipe_options(recipe, request))
 
 
 class _Stages:
@@ -334,10 +352,14 @@ def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_s
     return program, module
 
 
-def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
+def recipe_defaults(recipe: Recipe) -> dict:
     from quant.schemes import scheme_options
 
-    defaults = {**scheme_options(recipe.quantization), **recipe.options}
+    return {**scheme_options(recipe.quantization), **recipe.options}
+
+
+def recipe_options(recipe: Recipe, request: RunRequest) -> dict:
+    defaults = recipe_defaults(recipe)
     return {**defaults, **{k: v for k, v in request.options.items() if k in defaults}}
 
 
@@ -368,11 +390,10 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         backend = recipe.backend
         started = stages.begin(f"lowering to {backend.title} ({recipe.name})")
         options = report["recipe"]["options"]
-        partitioners = recipe.make_partitioners(options)
         report["recipe"]["options"] = {**options, **backend.describe_options(options)}
         report["llm_metadata"] = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                               _stop_ids(checkpoint))
-        lowered = lower_for_backend(program, recipe, partitioners, constant_methods=report["llm_metadata"],
+        lowered = lower_for_backend(program, recipe, options, constant_methods=report["llm_metadata"],
                                     generate_etrecord=request.etrecord, pte_path=recipe_dir / "model.pte")
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)

@@ -121,9 +121,10 @@ def table_rows(cells: list[dict], backend: str | None = None) -> list[dict]:
 
 def preferred_cell(cells: list[dict]) -> dict:
     """Of the cells of one model × recipe, a finished full job's first (it has decode and fidelity figures),
-    then a finished export-only one; of equal ones, the one measured on the newest executorch (a matrix re-run
-    after a version change adds cells beside the old ones)."""
-    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"), executorch_version(c)))
+    then a finished export-only one; of equal ones, the one measured on the newest executorch, then the latest
+    (a matrix re-run after a version or option change adds cells beside the old ones)."""
+    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"), executorch_version(c),
+                                     c.get("date", "")))
 
 
 def executorch_version(cell: dict) -> tuple[int, ...]:

@@ -218,7 +218,7 @@ def tiny_fp32_lowered(tiny_checkpoint):
     options = recipe.export_options(64)
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
-    lowered = lower_for_backend(program, recipe, recipe.make_partitioners({}))
+    lowered = lower_for_backend(program, recipe, {})
     return module, lowered, recipe
 
 

@@ -38,7 +38,7 @@ def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     apply_scheme(module, recipe.quantization)
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, options.max_seq_len, tiny_checkpoint.config, tiny_checkpoint.tokenizer, [2])
-    return lower_for_backend(program, recipe, recipe.make_partitioners(recipe.options),
+    return lower_for_backend(program, recipe, recipe.options,
                              constant_methods=metadata)
 
 
@@ -167,6 +167,6 @@ def test_preprocessing_shares_the_weights_and_leaves_them_as_they_were(tiny_chec
     outside = CoreMLBackend.copy_exported_program_for_preprocess(program, [])
     assert not any(outside.state_dict[name] is t for name, t in program.state_dict.items())
 
-    lowered = lower_for_backend(program, recipe, recipe.make_partitioners(recipe.options))
+    lowered = lower_for_backend(program, recipe, recipe.options)
     assert lowered.delegation["delegated_subgraphs"] == 1
     assert all(torch.equal(tensor, value) for tensor, value in zip(tensors, values))

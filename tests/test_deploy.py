@@ -110,7 +110,7 @@ def test_runner_stops_on_an_eos_id_that_is_not_the_tokenizers(runner_llama_run, 
     program = export_program(module, 64, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, 64, checkpoint.config, checkpoint.tokenizer, [2, stop])
     pte = tmp_path / "model.pte"
-    lowered = lower_for_backend(program, recipe, recipe.make_partitioners({}), constant_methods=metadata)
+    lowered = lower_for_backend(program, recipe, {}, constant_methods=metadata)
     pte.write_bytes(lowered.pte)
     out = generate_with_runner(pte, folder / "tokenizer.json", checkpoint.tokenizer, "what is the capital of France ?",
                                8, eos_token_ids=[2, stop])

@@ -186,6 +186,38 @@ def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
 
 
 @needs_qnn
+def test_a_decoder_in_shards_compiles_one_qnn_graph_per_shard_with_every_linear_inside(tiny_llama_dir, tmp_path):
+    """One decoder layer per shard: the two layers become two QNN graphs (beside the prologue's), the residual
+    stream passing between them through the one clone QNN leaves out; no linear or cache update leaves HTP."""
+    from recipes.run import RunRequest, run
+
+    out = tmp_path / "out"
+    summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=32,
+                             max_new_tokens=4, generate=False, options={"layers_per_shard": 1}))
+    report = summary["recipes"][0]
+    assert report["errors"] == [], report["errors"]
+    assert report["recipe"]["options"]["layers_per_shard"] == 1
+    ops = {o["op"]: o for o in report["delegation"]["ops"]}
+    assert ops["aten_convolution_default"]["delegated"] == 2 * 7 + 1
+    assert ops["aten_convolution_default"]["non_delegated"] == 0
+    assert ops["dim_order_ops__clone_dim_order_default"]["non_delegated"] == 1
+    assert "aten_index_put_default" not in ops
+    assert report["delegation"]["delegated_subgraphs"] == 3
+    assert (out / "model.pte").read_bytes().count(b"QnnBackend") >= 3
+
+
+@pytest.mark.parametrize("value", [0, "two"])
+def test_a_shard_size_that_is_not_a_positive_layer_count_is_refused_before_any_work(value, tmp_path):
+    from errors import UserFacingError
+    from recipes.run import RunRequest, run
+
+    out = tmp_path / "out"
+    with pytest.raises(UserFacingError, match="layers_per_shard must be a whole number of decoder layers"):
+        run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, options={"layers_per_shard": value}))
+    assert not out.exists() or not any(out.iterdir())
+
+
+@needs_qnn
 def test_block_quantized_linears_wider_than_256_outputs_lower_for_real(wide_llama_dir, tmp_path):
     """qnn-16a4w's 4-bit blocks on 512-wide outputs: as FullyConnected, QNN 2.47's HTP graph prepare fails
     ("no properties registered for q::GenPad"); as the 1x1 conv2d the recipe lowers, it makes a context binary."""
@@ -233,7 +265,7 @@ def test_the_block_scales_qnn_encodes_are_the_ones_the_weights_and_the_simulatio
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
     program, simulated = quantize_exported(recipe, export_program(module, 32), calibration_inputs(
         tiny_checkpoint.tokenizer, 32), dict(recipe.options), 32)
-    lower_for_backend(program, recipe, recipe.make_partitioners(dict(recipe.options)), pte_path=tmp_path / "model.pte")
+    lower_for_backend(program, recipe, dict(recipe.options), pte_path=tmp_path / "model.pte")
 
     assert len(encoded) == 2 * 7  # every layer linear; the output layer is 8-bit per channel
     simulated_scales = [getattr(simulated, n.args[2].target) for n in simulated.graph.nodes

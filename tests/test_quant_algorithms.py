@@ -171,7 +171,7 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
         module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
         apply_scheme(module, "8da4w", 32, algorithm, windows)
         program = export_program(module, 32, strict=backend.strict_export)
-        lowered = lower_for_backend(program, recipe, recipe.make_partitioners({}))
+        lowered = lower_for_backend(program, recipe, {})
         step = runtime_step(load_runtime_method(lowered.pte, backend.runtime_imports))
         tokens = torch.tensor([[3, 5, 7, 4]])
         with torch.no_grad():

@@ -318,7 +318,7 @@ def option_fields(option_defaults: dict) -> list:
         if isinstance(default, bool):
             fields.append(gr.Checkbox(default, label=label))
         elif isinstance(default, (int, float)):
-            fields.append(gr.Number(default, label=label))
+            fields.append(gr.Number(default, label=label, precision=0 if isinstance(default, int) else None))
         else:
             fields.append(gr.Textbox(str(default), label=label))
     return fields

@@ -27,9 +27,6 @@ BASE_BYTES = 0.45 * GB
 QUANTIZE_TRANSIENT = 1.5
 # export: torch.export's copies, over the quantized module;
 EXPORT_RATIO = 0.15
-# a PT2E scheme exports the float module before its quantizer sees it: that export's peak, over the float module
-# (fitted to the qnn-16a4w export stages from 135M to Llama-3.2-1B, which agree within a few percent).
-PT2E_EXPORT_RATIO = 2.5
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
 # the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized
@@ -212,7 +209,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             quantize = before + module * recipe.backend.pt2e_memory_ratio
         run = {
             "quantize": quantize,
-            "export": before + module * (PT2E_EXPORT_RATIO if scheme.quantize_exported else 1 + EXPORT_RATIO),
+            "export": before + module * (1 + EXPORT_RATIO),
             "lower": before + module + _lowering_bytes(recipe, w, pte, pte_lin, recipe_options),
             "serialize": before + module + pte * recipe.backend.serialize_memory_ratio,
         }

@@ -377,6 +377,8 @@ DEFAULT_LAYERS_PER_SHARD = 4
 
 def layers_per_shard(options: dict) -> int:
     value = options.get("layers_per_shard", DEFAULT_LAYERS_PER_SHARD)
+    if isinstance(value, float) and value.is_integer():  # a form's number field
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserFacingError(f"layers_per_shard must be a whole number of decoder layers, 1 or more (got {value!r}); "
                               f"e.g. layers_per_shard={DEFAULT_LAYERS_PER_SHARD}.")

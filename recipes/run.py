@@ -131,12 +131,15 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
     from quant.quantize import check_options
     from quant.schemes import check_group_size
 
-    known = {key for recipe in recipes for key in recipe_defaults(recipe)}
-    # the form's and the CLI's own controls apply to the recipes that take them (user_options)
+    # The app sends every backend's options with every job; each recipe takes those it has. A name no recipe
+    # takes is a mistake (a typo would otherwise be dropped silently).
+    from recipes.registry import load_backends
+
+    known = {key for recipe in load_backends().recipes.values() for key in recipe_defaults(recipe)}
     unknown = sorted(set(request.options) - known - {"group_size", "quant_algorithm", "mixed_precision_budget"})
     if unknown:
-        raise UserFacingError(f"{', '.join(unknown)}: not an option of {', '.join(r.name for r in recipes)}; "
-                              f"their options: {', '.join(sorted(known)) or 'none'}.")
+        raise UserFacingError(f"{', '.join(unknown)}: no recipe takes this option; the recipes' options: "
+                              f"{', '.join(sorted(known))} (`python -m recipes list` shows which recipe takes which).")
     for recipe in recipes:
         check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
         check_options(recipe.quantization, recipe_options(recipe, request))

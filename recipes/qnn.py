@@ -385,10 +385,10 @@ def layers_per_shard(options: dict) -> int:
     return value
 
 
-def split_into_shards(edge_program: torch.export.ExportedProgram, per_shard: int) -> int:
+def split_into_shards(edge_program: torch.export.ExportedProgram, per_shard: int) -> None:
     """Ends a QNN partition after every `per_shard` decoder layers: the residual stream leaving that layer goes
     through a `_clone_dim_order`, which QnnPartitioner leaves out for this purpose
-    (executorch/backends/qualcomm/partition/common_defs.py). Returns how many clones were put in."""
+    (executorch/backends/qualcomm/partition/common_defs.py)."""
     from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS
     from executorch.exir.dialects._ops import ops as exir_ops
 
@@ -405,7 +405,6 @@ def split_into_shards(edge_program: torch.export.ExportedProgram, per_shard: int
                            if k in node.meta})
         node.replace_all_uses_with(clone, delete_user_cb=lambda user: user is not clone)
     edge_program.graph_module.recompile()
-    return len(cuts)
 
 
 def qnn_edge_passes(scheme: str, options: dict) -> list:

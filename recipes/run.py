@@ -141,9 +141,10 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         raise UserFacingError(f"{', '.join(unknown)}: no recipe takes this option; the recipes' options: "
                               f"{', '.join(sorted(known))} (`python -m recipes list` shows which recipe takes which).")
     for recipe in recipes:
-        check_group_size(recipe.quantization, recipe_options(recipe, request).get("group_size"))
-        check_options(recipe.quantization, recipe_options(recipe, request))
-        recipe.backend.check_options(recipe_options(recipe, request))
+        options = recipe_options(recipe, request)
+        check_group_size(recipe.quantization, options.get("group_size"))
+        check_options(recipe.quantization, options)
+        recipe.backend.check_options(options)
 
 
 class _Stages:

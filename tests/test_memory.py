@@ -223,21 +223,18 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
 def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
     """zoo/results.json: whole jobs' and export-only peak RSS as `python -m recipes matrix` measured them, from
     the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""
-    from recipes.zoo import executorch_version, find_entry
+    from recipes.zoo import find_entry, preferred_cell
 
     installed = importlib.metadata.version("executorch")
     # XNNPACK cells only from the installed executorch: Lowerbench's lowering patches (recipes/xnnpack_patches.py)
     # are written for it, and the per-partition weight copy they share is gone only there. The other backends'
     # lowering (a deep copy per partition, then coremltools or QNN) is the same code in the previous pin.
     # Of a cell measured again (a newer executorch, or Lowerbench's own memory fixes), the newest, as the zoo shows.
-    newest = {}
+    measured = {}
     for c in json.loads(ZOO_RESULTS.read_text())["cells"]:
         if c["status"] == "ok" and c["peak_rss_mb"] and (c["backend"] != "xnnpack" or c["versions"]["executorch"] == installed):
-            key = (c["model"], c["recipe"], c["export_only"], c["max_seq_len"])
-            if key not in newest or (executorch_version(c), c["date"]) >= (executorch_version(newest[key]),
-                                                                          newest[key]["date"]):
-                newest[key] = c
-    cells = list(newest.values())
+            measured.setdefault((c["model"], c["recipe"], c["export_only"], c["max_seq_len"]), []).append(c)
+    cells = [preferred_cell(group) for group in measured.values()]
     assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c["model"] for c in cells}
     for cell in cells:
         estimate = estimate_job(find_entry(cell["model"]).llama_config(), [get_recipe(cell["recipe"])],

@@ -1,8 +1,8 @@
 """Phase `front`: the speed–quality front of xnnpack-8da4w (int8 dynamic activations, int4 group-wise weights).
 A larger weight group means fewer bf16 scales to read per token, so faster decode, but coarser weights.
 
-On the built-in model (real weights): one full job per weight algorithm (minmax, hqq, awq, spinquant) and
-group size that divides the model's linear input widths (from its config), plus hqq at group 32 with the
+On the built-in model (real weights): one full job per weight algorithm (minmax, hqq, awq, spinquant, gptq,
+awq-gptq) and group size that divides the model's linear input widths (from its config), plus hqq at group 32 with the
 most sensitive layers kept at 8 bits within a 15 % byte budget. Each job reports its weight bytes per token,
 its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on the
 ExecuTorch runtime), its sample generation's decode speed and engine, and its quantize time; all rows come
@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.measure import median, run_measured
 from bench.scale import RECIPE, checkpoint_folder, lowerbench_cmd
 
-ALGORITHMS = ("minmax", "hqq", "awq", "spinquant")
+ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
 MIXED_PRECISION = {"algorithm": "hqq", "group_size": 32, "mixed_precision_budget": 0.15}
 # optimum-cli export executorch --qlinear 8da4w: minmax qparams, group 32 (bench/__main__.py optimum_export_cmd)
 DEFAULT = {"algorithm": "minmax", "group_size": 32, "mixed_precision_budget": 0.0}

@@ -416,7 +416,7 @@ def front_plot(data: dict, path: Path) -> None:
 
     from bench.front import is_default
 
-    markers = {"minmax": "o", "hqq": "s", "awq": "^", "spinquant": "D"}
+    markers = {"minmax": "o", "hqq": "s", "awq": "^", "spinquant": "D", "gptq": "v", "awq-gptq": "P"}
     real = [r for r in data["rows"] if r["full_job"] and r["ok"] and r["perplexity_ratio"]]
     shapes = [r for r in data["rows"] if not r["full_job"] and r["ok"] and r["decode_tokens_per_s"]]
     fig, axes = plt.subplots(1, 3 if shapes else 2, figsize=(15 if shapes else 10, 4.4))

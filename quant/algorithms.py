@@ -9,6 +9,9 @@ and its bytes per token are those of `minmax`; only the numbers differ.
              HQQ's group scales
   spinquant  SpinQuant's R1 (residual stream) and R2 (value/output heads) random Hadamard rotations, applied
              with torchao.prototype.spinquant; exact in fp32, they spread outliers across a group
+  gptq       GPTQ's column-by-column error compensation against each linear's Hessian on the calibration text
+             (quant/gptq.py: torchao's GPTQ observer, a CPU loop for symmetric int4 groups)
+  awq-gptq   AWQ's scales folded in first, then GPTQ on the scaled weights
 """
 from __future__ import annotations
 
@@ -24,13 +27,18 @@ ALGORITHMS: dict[str, str] = {
     "awq": "activation-aware weight scales searched on the calibration text (torchao AWQ), folded into norms, "
            "then HQQ scale-only qparams",
     "spinquant": "SpinQuant R1 + R2 Hadamard rotations (torchao), exact in fp32",
+    "gptq": "GPTQ error compensation on the calibration text's Hessians (torchao's observer), layer by layer",
+    "awq-gptq": "AWQ's scales (torchao) folded in, then GPTQ",
 }
-CALIBRATED = ("awq",)
+CALIBRATED = ("awq", "gptq", "awq-gptq")
+# Algorithms whose int4 linears GPTQ quantizes (quant/gptq.py), after their fp32 transform.
+GPTQ_ALGORITHMS = ("gptq", "awq-gptq")
+# Calibration tokens an algorithm reads when not quant.calibration's default (None: the whole text). GPTQ's
+# Hessians are as wide as the MLP, and fewer tokens than that leave them near singular.
+ALGORITHM_CALIBRATION_TOKENS = {"gptq": None, "awq-gptq": None}
 
 # Asked for, not offered on this stack, and why.
 UNAVAILABLE: dict[str, str] = {
-    "gptq": "torchao 0.18's GPTQ (torchao.prototype.gptq) runs on CUDA only (gptq_quantize asserts a CUDA device) "
-            "and writes Int4Tensor weights (mslk's int4 packing), a format ExecuTorch's backends do not take",
     "spinquant-r4": "SpinQuant's R4 needs an online Hadamard transform before down_proj, an op the program does not "
                     "have; spinquant applies R1 and R2, which fold into the weights",
 }
@@ -101,6 +109,9 @@ def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> No
         if pt2e and algorithm == "spinquant":
             why = (f"SpinQuant's rotations gave a larger error than minmax under {scheme}'s PT2E quantizer, whose "
                    "16-bit activations leave it only the weights' outliers to spread")
+        elif pt2e and algorithm in GPTQ_ALGORITHMS:
+            why = (f"{scheme}'s PT2E quantizer sets the qparams from its observers after the float weights are "
+                   "fixed; GPTQ chooses the integers itself")
         elif pt2e:
             why = (f"the backend's PT2E quantizer sets {scheme}'s qparams from its observers; only algorithms that "
                    "transform the float weights before it are offered")
@@ -228,10 +239,10 @@ def apply_spinquant(module) -> None:
 
 
 def prepare_weights(module, algorithm: str, weight_config, calibration: list[torch.Tensor] | None) -> None:
-    """The fp32 transform an algorithm makes before quantize_ (none for minmax and hqq)."""
-    if algorithm == "awq":
+    """The fp32 transform an algorithm makes before quantize_ (none for minmax, hqq and gptq)."""
+    if algorithm in ("awq", "awq-gptq"):
         if not calibration:
-            raise ValueError("awq needs calibration windows")
+            raise ValueError(f"{algorithm} needs calibration windows")
         apply_awq(module, weight_config, calibration)
     elif algorithm == "spinquant":
         apply_spinquant(module)

@@ -32,9 +32,9 @@ def calibration_inputs(tokenizer, max_seq_len: int, prompts=CALIBRATION_PROMPTS)
     return inputs
 
 
-def calibration_windows(tokenizer, max_seq_len: int, max_tokens: int = CALIBRATION_TOKENS) -> list[torch.Tensor]:
-    """The calibration text's first `max_tokens` tokens as windows [1, T] of at most max_seq_len, each run
-    from position 0."""
+def calibration_windows(tokenizer, max_seq_len: int, max_tokens: int | None = CALIBRATION_TOKENS) -> list[torch.Tensor]:
+    """The calibration text's first `max_tokens` tokens (None: all) as windows [1, T] of at most max_seq_len,
+    each run from position 0."""
     ids = list(tokenizer(CALIBRATION_TEXT.read_text(), add_special_tokens=False)["input_ids"])[:max_tokens]
     return [torch.tensor([ids[i:i + max_seq_len]], dtype=torch.long) for i in range(0, len(ids), max_seq_len)
             if len(ids[i:i + max_seq_len]) > 1]

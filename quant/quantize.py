@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from quant.algorithms import CALIBRATED
-from quant.calibration import calibration_windows, describe_calibration
+from quant.algorithms import ALGORITHM_CALIBRATION_TOKENS, CALIBRATED
+from quant.calibration import CALIBRATION_TOKENS, calibration_windows, describe_calibration
 from quant.schemes import SCHEMES, prepare_for_scheme, quant_args
 
 
@@ -41,7 +41,8 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     section: dict = {"scheme": scheme, "algorithm": algorithm if spec.int4_config else None}
     windows = []
     if algorithm in CALIBRATED or budget:
-        windows = calibration_windows(tokenizer, max_seq_len)
+        tokens = ALGORITHM_CALIBRATION_TOKENS.get(algorithm, CALIBRATION_TOKENS)
+        windows = calibration_windows(tokenizer, max_seq_len, tokens)
         section["calibration"] = describe_calibration(windows)
     args = quant_args(scheme, options.get("group_size"), algorithm, windows)
     started = time.perf_counter()
@@ -72,7 +73,7 @@ def quantizes_by_unit(scheme: str, options: dict) -> bool:
     return spec.apply is not None and spec.layerwise and algorithm not in WHOLE_MODEL_ALGORITHMS and not budget
 
 
-WHOLE_MODEL_ALGORITHMS = ("awq", "spinquant")
+WHOLE_MODEL_ALGORITHMS = ("awq", "spinquant", "gptq", "awq-gptq")
 
 
 def unit_quantization_section(module, scheme: str, options: dict) -> dict:

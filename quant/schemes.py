@@ -85,17 +85,35 @@ def config_8da8w():
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
 
 
+def int4_weight_with_scales(activation_quantization: str | None):
+    """(weight on the int4 grid, its group scales, block size) -> torchao's int4 weight tensor with exactly those
+    scales: how an algorithm that chooses the integers itself (GPTQ) ends in the tensor the others make."""
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
+
+    def make(weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int]):
+        return IntxUnpackedToInt8Tensor.from_hp(
+            weight, block_size, torch.int4, activation_quantization=activation_quantization,
+            intx_choose_qparams_algorithm=None, custom_scale=scales,
+            custom_zero_point=torch.zeros_like(scales, dtype=torch.int8))
+
+    return make
+
+
 def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = "minmax",
-                           units_8bit: tuple[str, ...] = ()) -> None:
+                           units_8bit: tuple[str, ...] = (), calibration: tuple = ()) -> None:
     """int4 linears, except those of `units_8bit` (module names, e.g. "model.layers.3", "lm_head"), which take
     8da8w."""
     from torchao.quantization import quantize_
 
-    from quant.algorithms import hqq_by_cache_sized_rows
+    from quant.algorithms import GPTQ_ALGORITHMS, hqq_by_cache_sized_rows
+    from quant.gptq import apply_gptq
     from quant.mixed_precision import in_units
 
     if units_8bit:
         quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and in_units(fqn, units_8bit))
+    if algorithm in GPTQ_ALGORITHMS:
+        apply_gptq(module, list(calibration), group_size, int4_weight_with_scales("int8_asym_per_token"))
+        return
     with hqq_by_cache_sized_rows():
         quantize_(module, config_8da4w(group_size, algorithm),
                   filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
@@ -114,19 +132,23 @@ def config_weight_only(bits: int, group_size: int | None, algorithm: str = "minm
 
 
 def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int | None,
-                                 algorithm: str = "minmax") -> None:
+                                 algorithm: str = "minmax", calibration: tuple = ()) -> None:
     """Weight-only linears (activations stay float): torchao leaves dequantize_affine + linear in the
     graph, for a backend that takes the pair whole and stores compressed weights (int4 block-wise, int8 per channel)."""
     from torchao.quantization import quantize_
 
-    from quant.algorithms import hqq_by_cache_sized_rows
+    from quant.algorithms import GPTQ_ALGORITHMS, hqq_by_cache_sized_rows
+    from quant.gptq import apply_gptq
 
+    if algorithm in GPTQ_ALGORITHMS:
+        apply_gptq(module, list(calibration), group_size, int4_weight_with_scales(None))
+        return
     with hqq_by_cache_sized_rows():
         quantize_(module, config_weight_only(bits, group_size, algorithm), filter_fn=_is_linear)
 
 
 def _int4_weight(module: nn.Module, args: QuantArgs) -> None:
-    quantize_linears_weight_only(module, 4, args.group_size, args.algorithm)
+    quantize_linears_weight_only(module, 4, args.group_size, args.algorithm, args.calibration)
 
 
 def _int8_weight(module: nn.Module, args: QuantArgs) -> None:
@@ -139,12 +161,12 @@ def _fp32(module: nn.Module, args: QuantArgs) -> None:
 
 def _8da4w(module: nn.Module, args: QuantArgs) -> None:
     quantize_embeddings(module, 8)
-    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.units_8bit)
+    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.units_8bit, args.calibration)
 
 
 def _8da4w_emb4(module: nn.Module, args: QuantArgs) -> None:
     quantize_embeddings(module, 4)
-    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.units_8bit)
+    quantize_linears_8da4w(module, args.group_size, args.algorithm, args.units_8bit, args.calibration)
 
 
 def _8da8w(module: nn.Module, args: QuantArgs) -> None:
@@ -164,8 +186,8 @@ def _fp16(module: nn.Module, args: QuantArgs) -> None:
 # schemes HQQ's scales, since AWQ needs the whole float model where HQQ goes piece by piece; for 16a4w AWQ,
 # since its PT2E quantizer holds the whole float model anyway. Weight-only int4 keeps min/max until measured
 # on the backends that take it.
-INT4_ALGORITHMS = ("minmax", "hqq", "awq", "spinquant")
-DYNAMIC_INT4_ALGORITHMS = ("hqq", "minmax", "awq", "spinquant")
+INT4_ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
+DYNAMIC_INT4_ALGORITHMS = ("hqq", "minmax", "awq", "spinquant", "gptq", "awq-gptq")
 PT2E_INT4_ALGORITHMS = ("awq", "minmax")
 PT2E_INT4_BLOCK = 32
 

@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--group-size", type=int, default=None, help="weight quantization group size")
     run.add_argument("--quant-algorithm", default=None,
-                     help="how int4 weights get their qparams: minmax, hqq, awq, spinquant (see `list`)")
+                     help="how int4 weights get their qparams: minmax, hqq, awq, spinquant, gptq, awq-gptq (see `list`)")
     run.add_argument("--mixed-precision-budget", type=float, default=None,
                      help="keep at 8da8w the decoder layers and output layer that bring the logits closest to "
                           "fp32 per byte, within this extra fraction of weight bytes per token, e.g. 0.1 for "

@@ -125,8 +125,8 @@ def test_an_algorithm_the_recipe_does_not_offer_is_refused_as_on_the_cli(app, ti
     client = Client(app["url"], verbose=False)
     before = set(app["jobs"].iterdir())
     with pytest.raises(Exception) as info:
-        lower(client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-8da4w"], options={"quant_algorithm": "gptq"}))
-    assert re.search(r"quant algorithm 'gptq' is not offered for 8da4w \(.*CUDA only.*\); choose one of: hqq, minmax",
+        lower(client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-8da4w"], options={"quant_algorithm": "spinquant-r4"}))
+    assert re.search(r"quant algorithm 'spinquant-r4' is not offered for 8da4w \(.*online Hadamard.*\); choose one of: hqq, minmax",
                      str(info.value))
     assert set(app["jobs"].iterdir()) == before
 

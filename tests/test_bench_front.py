@@ -43,9 +43,9 @@ def test_only_group_sizes_that_divide_every_linear_width_are_tried_in_the_given_
 
 def test_the_built_in_jobs_are_every_algorithm_at_every_fitting_group_plus_one_mixed_precision_job():
     jobs = builtin_jobs([32, 64])
-    assert len(jobs) == 9
+    assert len(jobs) == 13
     assert {(j["algorithm"], j["group_size"]) for j in jobs if not j["mixed_precision_budget"]} == {
-        (a, g) for a in ("minmax", "hqq", "awq", "spinquant") for g in (32, 64)}
+        (a, g) for a in ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq") for g in (32, 64)}
     assert [(j["algorithm"], j["group_size"], j["mixed_precision_budget"]) for j in jobs][:5] == [
         ("minmax", 32, 0.0), ("minmax", 64, 0.0), ("hqq", 32, 0.0), ("hqq", 64, 0.0), ("hqq", 32, 0.15)]
     assert all(not j["mixed_precision_budget"] for j in builtin_jobs([64]))

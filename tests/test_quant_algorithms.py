@@ -1,4 +1,4 @@
-"""Quant algorithms (minmax, hqq, awq, spinquant), the calibration and evaluation texts, mixed precision."""
+"""Quant algorithms (minmax, hqq, awq, spinquant, gptq, awq-gptq), the calibration and evaluation texts, mixed precision."""
 import re
 
 import pytest
@@ -22,6 +22,17 @@ def random_llama():
     return config, state_dict, tokens, calibration
 
 
+def _calibration(random_llama, algorithm):
+    """GPTQ reads the whole calibration text, more tokens than its Hessians (up to 256 wide here) are wide:
+    ten windows. The others read one."""
+    from quant.algorithms import GPTQ_ALGORITHMS
+
+    if algorithm not in GPTQ_ALGORITHMS:
+        return random_llama[3]
+    generator = torch.Generator().manual_seed(2)
+    return tuple(torch.randint(0, 300, (1, 60), generator=generator) for _ in range(10))
+
+
 # The fused q/k/v form (XNNPACK's) and the separate one (every other backend's).
 FUSED = dict(attention="custom", norm="linear-mean", fuse_qkv=True)
 
@@ -30,12 +41,12 @@ def _module_form(attention: str) -> dict:
     return FUSED if attention == "custom" else dict(attention=attention)
 
 
-def _logits_error(random_llama, algorithm, group_size=32, attention="custom"):
+def _logits_error(random_llama, algorithm, group_size=32, attention="custom", calibration=None):
     """Relative squared error of 8da4w logits against fp32 on a fixed input."""
     from models.llama import ExportOptions, build_exportable
     from quant.schemes import apply_scheme
 
-    config, state_dict, tokens, calibration = random_llama
+    config, state_dict, tokens, _ = random_llama
 
     def logits(module):
         module.reset_cache()
@@ -44,7 +55,7 @@ def _logits_error(random_llama, algorithm, group_size=32, attention="custom"):
 
     reference = logits(build_exportable(config, state_dict, ExportOptions(64, **_module_form(attention))))
     module = build_exportable(config, state_dict, ExportOptions(64, **_module_form(attention)))
-    apply_scheme(module, "8da4w", group_size, algorithm, calibration)
+    apply_scheme(module, "8da4w", group_size, algorithm, calibration or _calibration(random_llama, algorithm))
     return ((logits(module) - reference).pow(2).mean() / reference.pow(2).mean()).item()
 
 
@@ -53,7 +64,7 @@ def _assert_no_worse_than_minmax(error, minmax_error):
 
 
 @pytest.mark.parametrize("attention", ["custom", "sdpa"])
-@pytest.mark.parametrize("algorithm", ["hqq", "awq", "spinquant"])
+@pytest.mark.parametrize("algorithm", ["hqq", "awq", "spinquant", "gptq", "awq-gptq"])
 def test_each_algorithm_is_no_worse_than_minmax(random_llama, algorithm, attention):
     """custom: XNNPACK's fused q/k/v form; sdpa: three linears (Core ML's int4-weight takes that form)."""
     _assert_no_worse_than_minmax(_logits_error(random_llama, algorithm, attention=attention),
@@ -64,6 +75,13 @@ def test_the_comparison_fails_on_a_worse_setting(random_llama):
     """Groups of 128 instead of 32: the same check must refuse it."""
     with pytest.raises(AssertionError):
         _assert_no_worse_than_minmax(_logits_error(random_llama, "hqq", group_size=128),
+                                     _logits_error(random_llama, "minmax"))
+
+
+def test_gptq_on_fewer_tokens_than_its_hessians_are_wide_fails_the_comparison(random_llama):
+    """One 60-token window for Hessians up to 256 wide: GPTQ fits the calibration tokens, not the model."""
+    with pytest.raises(AssertionError):
+        _assert_no_worse_than_minmax(_logits_error(random_llama, "gptq", calibration=random_llama[3]),
                                      _logits_error(random_llama, "minmax"))
 
 
@@ -167,7 +185,7 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
     backend = recipe.backend
     windows = calibration_windows(tiny_checkpoint.tokenizer, 32)
     programs = {}
-    for algorithm in ("minmax", "hqq", "awq", "spinquant"):
+    for algorithm in ("minmax", "hqq", "awq", "spinquant", "gptq"):
         module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
         apply_scheme(module, "8da4w", 32, algorithm, windows)
         program = export_program(module, 32, strict=backend.strict_export)
@@ -189,8 +207,11 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
 def test_unavailable_algorithm_is_refused_with_the_reason():
     from quant.quantize import check_options
 
-    with pytest.raises(UserFacingError, match="gptq.*CUDA only.*choose one of: hqq, minmax, awq, spinquant"):
-        check_options("8da4w", {"quant_algorithm": "gptq"})
+    with pytest.raises(UserFacingError, match="spinquant-r4.*online Hadamard.*choose one of: hqq, minmax, awq, spinquant, "
+                                              "gptq, awq-gptq"):
+        check_options("8da4w", {"quant_algorithm": "spinquant-r4"})
+    with pytest.raises(UserFacingError, match=r"gptq' is not offered for 16a4w \(.*GPTQ chooses the integers itself"):
+        check_options("16a4w", {"quant_algorithm": "gptq"})
     with pytest.raises(UserFacingError, match=r"8da8w has no int4 group-wise weights\); choose one of: minmax\."):
         check_options("8da8w", {"quant_algorithm": "hqq"})
     with pytest.raises(UserFacingError, match=r"outside \(0, 1\]"):
@@ -292,3 +313,14 @@ def test_pt2e_quantization_lets_the_float_weights_go_and_keeps_only_the_integer_
                          if t.dtype.is_floating_point and t.dim() == 2 and t.shape[1] == config.hidden_size
                          and "embed" not in name]
         assert linear_shaped == [], f"float copies of quantized weights are still held: {linear_shaped[:3]}"
+
+
+def test_gptq_on_uncorrelated_inputs_rounds_each_weight_to_its_group_grid():
+    """With an identity Hessian no column's error can be compensated by another: GPTQ is rounding to nearest."""
+    from quant.gptq import QMAX, QMIN, gptq_weight
+
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    values, scales = gptq_weight(weight, torch.eye(64), 32, damping=0.0)
+    rounded = (weight.view(16, 2, 32) / scales[..., None]).round().clamp(QMIN, QMAX).view(16, 64)
+    assert torch.equal(values.float(), rounded)
+    assert torch.equal(scales, scales.to(torch.bfloat16).float())  # as a .pte stores them

@@ -1,0 +1,168 @@
+"""GPTQ (Frantar et al., 2022, arXiv:2210.17323, Algorithm 1) for int4 group-wise linears, on the CPU.
+
+Each linear's Hessian (2 XᵀX of its inputs on the calibration text) is collected by torchao's own GPTQ
+observer (torchao.prototype.gptq.GPTQObserverTensor). torchao 0.18's quantizing loop, though, asserts a CUDA
+device and writes mslk's asymmetric Int4Tensor, which ExecuTorch's backends do not take; the loop below
+quantizes to the symmetric int4 groups every other algorithm makes, ending in the same torchao tensor
+(IntxUnpackedToInt8Tensor with the group scales given), so the program and its bytes per token are those of
+minmax.
+
+The decoder layers are quantized in order, each observing the inputs the already quantized layers before it
+produce (GPTQ's sequential form), then the output layer. Columns go in order of decreasing Hessian diagonal
+("act order"); each group's scale is fixed beforehand from the float weights, by the clipping of the group's
+maximum that gives the least squared error (GPTQ's reference quantizer's search), so reordering the columns
+never mixes groups.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+# Added to the Hessian's diagonal, as a fraction of its mean: with a calibration text of a few thousand tokens
+# a 1536-wide Hessian is close to singular, and the usual 1 % overfits it (measured on the built-in model).
+DAMPING = 0.1
+# Columns whose errors are propagated to the rest of the matrix at once (the paper's lazy batch updates).
+BLOCK = 128
+# Clipping factors of a group's maximum tried for its scale, from CLIP_LOW to 1.
+CLIP_STEPS, CLIP_LOW = 40, 0.5
+QMIN, QMAX = -8, 7  # torch.int4, symmetric: the groups every int4 scheme here makes
+
+
+def group_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[rows, columns // group_size] scales: per group the clipped maximum / 7.5 with the least squared
+    error, rounded to bf16, the precision a .pte stores them in."""
+    groups = weight.view(weight.shape[0], -1, group_size)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-9)
+    best = best_error = None
+    for step in range(CLIP_STEPS + 1):
+        scale = amax * (CLIP_LOW + (1 - CLIP_LOW) * step / CLIP_STEPS) / (-QMIN - 0.5)
+        error = ((groups / scale).round().clamp(QMIN, QMAX) * scale - groups).pow(2).sum(-1, keepdim=True)
+        if best is None:
+            best, best_error = scale, error
+        else:
+            better = error < best_error
+            best, best_error = torch.where(better, scale, best), torch.where(better, error, best_error)
+    return best.squeeze(-1).to(torch.bfloat16).to(torch.float32)
+
+
+@torch.no_grad()
+def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                damping: float = DAMPING) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values in [-8, 7] [rows, columns], scales [rows, columns // group_size]) minimizing
+    ||X Wᵀ - X Qᵀ||² for the inputs X whose `hessian` is given, column by column."""
+    hessian = hessian.to(torch.float32, copy=True)
+    columns = weight.shape[1]
+    dead = torch.diag(hessian) == 0  # an input that is always zero: any value of its column will do
+    hessian[dead, dead] = 1
+    scales = group_scales(weight.to(torch.float32).masked_fill(dead, 0), group_size)
+    order = torch.argsort(torch.diag(hessian), descending=True)
+    group_of = (order // group_size).tolist()
+    weight = weight[:, order].to(torch.float32).masked_fill_(dead[order], 0)  # a copy: the caller's stays
+    hessian = hessian[order][:, order]
+    hessian.diagonal().add_(damping * torch.mean(torch.diag(hessian)))
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
+    values = torch.empty_like(weight, dtype=torch.int8)
+    for start in range(0, columns, BLOCK):
+        end = min(start + BLOCK, columns)
+        block = weight[:, start:end]
+        errors = torch.empty_like(block)
+        block_inverse = inverse[start:end, start:end]
+        for j in range(end - start):
+            column, scale = block[:, j], scales[:, group_of[start + j]]
+            q = (column / scale).round().clamp(QMIN, QMAX)
+            values[:, start + j] = q.to(torch.int8)
+            error = (column - q * scale) / block_inverse[j, j]
+            block[:, j:].sub_(error[:, None] * block_inverse[j, j:][None, :])
+            errors[:, j] = error
+        weight[:, end:].sub_(errors @ inverse[start:end, end:])
+    return values[:, torch.argsort(order)].contiguous(), scales
+
+
+class _FirstLayerReached(Exception):
+    pass
+
+
+@torch.no_grad()
+def _first_layer_inputs(module, windows: list[torch.Tensor]) -> list[tuple]:
+    """The arguments decoder layer 0 is called with, one tuple per calibration window."""
+    captured = []
+
+    def stop(_layer, args):
+        captured.append(args)
+        raise _FirstLayerReached
+
+    hook = module.model.layers[0].register_forward_pre_hook(stop)
+    try:
+        for tokens in windows:
+            try:
+                module(tokens, torch.tensor([0]))
+            except _FirstLayerReached:
+                pass
+    finally:
+        hook.remove()
+    return captured
+
+
+def _float_linears(unit: nn.Module) -> list[nn.Linear]:
+    """The unit's linears still in float (those of a unit kept at 8 bits are quantized already)."""
+    return [m for m in unit.modules() if isinstance(m, nn.Linear) and type(m.weight.data) is torch.Tensor]
+
+
+@torch.no_grad()
+def _observe(linears: list[nn.Linear], run: Callable[[], None]) -> list[torch.Tensor]:
+    """Each linear's Hessian over what `run` feeds it, from torchao's GPTQ observer."""
+    from torchao.prototype.gptq.observer import GPTQObserverTensor
+
+    originals = [linear.weight for linear in linears]
+    for linear in linears:
+        linear.weight = nn.Parameter(GPTQObserverTensor.from_hp(linear.weight.data.contiguous()), requires_grad=False)
+    try:
+        run()
+        return [linear.weight.data.hessian for linear in linears]
+    finally:
+        for linear, original in zip(linears, originals):
+            linear.weight = original
+
+
+@torch.no_grad()
+def _quantize(linears: list[nn.Linear], hessians: list[torch.Tensor], group_size: int,
+              int4_weight: Callable[[torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]) -> None:
+    for linear, hessian in zip(linears, hessians):
+        values, scales = gptq_weight(linear.weight.data, hessian, group_size)
+        weight = values.to(torch.float32).view(values.shape[0], -1, group_size) * scales[..., None]
+        linear.weight = nn.Parameter(int4_weight(weight.view(values.shape), scales, (1, group_size)),
+                                     requires_grad=False)
+
+
+@torch.no_grad()
+def apply_gptq(module, windows: list[torch.Tensor], group_size: int,
+               int4_weight: Callable[[torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]) -> None:
+    """Quantizes every float linear of `module` (decoder layers, then the output layer) in place.
+    int4_weight(weight on the grid, scales, block size) -> the scheme's torchao weight tensor."""
+    if not windows:
+        raise ValueError("gptq needs calibration windows")
+    if not _float_linears(module):
+        return
+    inputs = _first_layer_inputs(module, windows)
+    hidden = [args[0] for args in inputs]
+
+    def run_layer(layer):
+        outputs = []
+        for x, args in zip(hidden, inputs):
+            layer.self_attn.k_cache.zero_()
+            layer.self_attn.v_cache.zero_()
+            outputs.append(layer(x, *args[1:]))
+        return outputs
+
+    for layer in module.model.layers:
+        linears = _float_linears(layer)
+        if linears:
+            _quantize(linears, _observe(linears, lambda: run_layer(layer)), group_size, int4_weight)
+        hidden = run_layer(layer)
+    head = _float_linears(module.lm_head)
+    if head:
+        hessians = _observe(head, lambda: [module.lm_head(module.model.norm(x)) for x in hidden])
+        _quantize(head, hessians, group_size, int4_weight)
+    module.reset_cache()

@@ -1,6 +1,10 @@
 """Core ML: Apple's backend (CPU, GPU, Neural Engine). Lowers on any OS; the .pte runs only on Apple OSes
 (macOS 15+ / iOS 18+, because the K/V caches become Core ML state)."""
+import importlib.metadata
 import platform
+from contextlib import contextmanager
+
+import numpy as np
 
 from errors import UserFacingError
 from recipes.registry import Backend, recipe
@@ -30,15 +34,51 @@ def coreml_partitioners(precision: str):
     return partitioners
 
 
-def sharing_preprocess_weights():
-    """coremltools reads the partition's weights into its MIL program and writes new fp16 or compressed ones,
-    never into the torch tensors, so ExecuTorch's per-partition copy can share them (a test checks the
-    program's weights are untouched by a lowering)."""
+# The coremltools release whose fp16 overflow check overflow_check_by_chunks replaces; on another it is left.
+CHUNKED_OVERFLOW_CHECK_FOR = "9.0"
+OVERFLOW_CHECK_CHUNK = 1 << 20  # elements
+
+
+def overflows_fp16(value) -> bool:
+    """coremltools' FP16ComputePrecision.fp16_overflow test of one constant: some finite-looking value
+    (|v| < 1e38) beyond fp16's ±65504. The same test a chunk at a time: coremltools' own makes the absolute
+    values, a mask and np.where's int64 indices of the whole constant, about 30 bytes per element, which for a
+    vocabulary-sized embedding is more than the rest of the conversion holds."""
+    flat = np.asarray(value).reshape(-1)
+    for start in range(0, flat.size, OVERFLOW_CHECK_CHUNK):
+        magnitude = np.abs(flat[start:start + OVERFLOW_CHECK_CHUNK])
+        if np.any((magnitude > 65504) & (magnitude < 1e38)):
+            return True
+    return False
+
+
+def fp16_overflow(op) -> bool:
+    for inputs in op.inputs.values():
+        for var in inputs if isinstance(inputs, (list, tuple)) else [inputs]:
+            if var.op is not None and var.op.op_type == "const" and var.is_tensor_or_scalar_of(dtype="fp32"):
+                if overflows_fp16(var.op.val.val):
+                    return True
+    return False
+
+
+@contextmanager
+def lowering_patches():
+    """Around a Core ML lowering: ExecuTorch's per-partition copies share the weights, which coremltools reads
+    into its MIL program and writes anew (fp16 or compressed), never into the torch tensors (a test checks
+    the program's weights are untouched by a lowering); and its fp16 overflow check goes by chunks."""
+    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
     from executorch.backends.apple.coreml.compiler import CoreMLBackend
 
-    from recipes.lowering import preprocess_copies_share_weights
+    from recipes.lowering import share_preprocess_weights, swap_attribute
 
-    return preprocess_copies_share_weights(CoreMLBackend)
+    restores = [share_preprocess_weights(CoreMLBackend)]
+    if importlib.metadata.version("coremltools") == CHUNKED_OVERFLOW_CHECK_FOR:
+        restores.append(swap_attribute(FP16ComputePrecision, "fp16_overflow", staticmethod(fp16_overflow)))
+    try:
+        yield
+    finally:
+        for restore in reversed(restores):
+            restore()
 
 
 def needs_apple_os() -> str | None:
@@ -64,7 +104,7 @@ BACKEND = Backend(
     },
     cannot_run_here=needs_apple_os,
     packages=("coremltools",),
-    lowering_context=sharing_preprocess_weights,
+    lowering_context=lowering_patches,
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
     # one slice and the causal mask built by comparison.
     attention="sdpa-slice",

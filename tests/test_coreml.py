@@ -170,3 +170,26 @@ def test_preprocessing_shares_the_weights_and_leaves_them_as_they_were(tiny_chec
     lowered = lower_for_backend(program, recipe, recipe.options)
     assert lowered.delegation["delegated_subgraphs"] == 1
     assert all(torch.equal(tensor, value) for tensor, value in zip(tensors, values))
+
+
+def test_the_chunked_fp16_overflow_check_answers_as_coremltools_own_and_is_undone_after_lowering():
+    """Core ML's lowering swaps coremltools' fp16 overflow check, whose temporaries outgrow a vocabulary-sized
+    embedding, for one by chunks: the same answer on every kind of constant, and coremltools' own after."""
+    import numpy as np
+    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+
+    from recipes.coreml import OVERFLOW_CHECK_CHUNK, lowering_patches, overflows_fp16
+
+    own = FP16ComputePrecision.fp16_overflow
+    big = np.zeros(3 * OVERFLOW_CHECK_CHUNK + 5, dtype=np.float32)
+    cases = {"small": np.float32([[1.0, -2.0], [65504, -65504]]), "overflow": np.float32([[1.0, 70000.0]]),
+             "infinities only": np.float32([-np.inf, 1e39, 3.0]), "nan": np.float32([np.nan, 1.0]),
+             "scalar": np.float32(-1e5), "last chunk": np.concatenate([big, np.float32([-66000.0])]), "zeros": big}
+    for name, value in cases.items():
+        expected = bool(np.max(np.abs(np.expand_dims(value, 0))[np.where(np.abs(np.expand_dims(value, 0)) < 1e38)],
+                               initial=0.0) > 65504)
+        assert overflows_fp16(value) == expected, name
+    assert overflows_fp16(cases["overflow"]) and overflows_fp16(cases["last chunk"])
+    with lowering_patches():
+        assert FP16ComputePrecision.fp16_overflow is not own
+    assert FP16ComputePrecision.fp16_overflow is own

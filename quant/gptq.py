@@ -161,8 +161,11 @@ def apply_gptq(module, windows: list[torch.Tensor], group_size: int,
         if linears:
             _quantize(linears, _observe(linears, lambda: run_layer(layer)), group_size, int4_weight)
         hidden = run_layer(layer)
+    def run_head():
+        for x in hidden:  # one window's vocabulary-wide logits at a time
+            module.lm_head(module.model.norm(x))
+
     head = _float_linears(module.lm_head)
     if head:
-        hessians = _observe(head, lambda: [module.lm_head(module.model.norm(x)) for x in hidden])
-        _quantize(head, hessians, group_size, int4_weight)
+        _quantize(head, _observe(head, run_head), group_size, int4_weight)
     module.reset_cache()

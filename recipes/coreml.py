@@ -34,7 +34,7 @@ def coreml_partitioners(precision: str):
     return partitioners
 
 
-# The coremltools release whose fp16 overflow check overflow_check_by_chunks replaces; on another it is left.
+# The coremltools release whose fp16 overflow check fp16_overflow replaces; on another it is left.
 CHUNKED_OVERFLOW_CHECK_FOR = "9.0"
 OVERFLOW_CHECK_CHUNK = 1 << 20  # elements
 

@@ -169,16 +169,6 @@ def share_preprocess_weights(backend_details: type) -> Callable[[], None]:
                           classmethod(lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program)))
 
 
-@contextmanager
-def preprocess_copies_share_weights(backend_details: type):
-    """share_preprocess_weights for the block."""
-    restore = share_preprocess_weights(backend_details)
-    try:
-        yield
-    finally:
-        restore()
-
-
 def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = True) -> torch.export.ExportedProgram:
     """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len).
     strict: the backend's export mode (Backend.strict_export). Non-strict export is faster, but not every

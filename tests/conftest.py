@@ -236,6 +236,24 @@ def run_cli(*args, timeout=3000, env: dict | None = None):
     )
 
 
+def run_main(*args):
+    """`python -m recipes ...` in this process: the same main() without a new interpreter's imports, for
+    refusals that happen before any work. (returncode, stdout, stderr) as run_cli gives them."""
+    import io
+    import types
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from recipes.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's refusals
+            code = exit_.code
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 # The built-in model's end-to-end recipes in one job: one load and one fp32 reference for both. These are
 # the recipes whose .pte runs here (runtime, LLM runner, fidelity); the other backends' lowerings are checked
 # per layer on the tiny Llama.

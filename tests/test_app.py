@@ -58,15 +58,15 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
     assert {row["recipe"] for row in json.loads((job / "summary.json").read_text())} == {"xnnpack-fp32", "xnnpack-8da4w"}
 
 
-def test_four_concurrent_jobs_queue_visibly_and_never_mix(app, tiny_llama_dir):
-    """Four users at once: with two jobs running at a time the others wait in a queue they can see (rank),
+def test_three_concurrent_jobs_queue_visibly_and_never_mix(app, tiny_llama_dir):
+    """Three users at once: with two jobs running at a time the third waits in a queue it can see (rank),
     every job gets its own folder, and each report holds its own user's prompt and recipe."""
     from gradio_client import Client
     from gradio_client.utils import Status
 
     users = [(f"user{i}", recipe, prompt) for i, (recipe, prompt) in enumerate([
         ("xnnpack-fp32", "the capital of France is"), ("xnnpack-8da4w", "hello world , how are you ?"),
-        ("xnnpack-fp32", "what is the capital ?"), ("xnnpack-8da4w", "the capital is Paris .")])]
+        ("xnnpack-fp32", "what is the capital ?")])]
     started = time.time()
     jobs = {name: Client(app["url"], verbose=False).submit(
         **tiny_args(tiny_llama_dir, recipes=[recipe], prompt=prompt), api_name="/lower") for name, recipe, prompt in users}
@@ -78,10 +78,10 @@ def test_four_concurrent_jobs_queue_visibly_and_never_mix(app, tiny_llama_dir):
             if status.code == Status.IN_QUEUE and status.rank is not None:
                 seen_queued.add(name)
         time.sleep(0.3)
-    print(f"four concurrent tiny jobs: {time.time() - started:.1f} s, queued: {sorted(seen_queued)}")
+    print(f"three concurrent tiny jobs: {time.time() - started:.1f} s, queued: {sorted(seen_queued)}")
     assert seen_queued, "no job was ever shown waiting in the queue"
     folders = {name: re.search(r"Job `(\w+)`", jobs[name].result()[0])[1] for name, _, _ in users}
-    assert len(set(folders.values())) == 4
+    assert len(set(folders.values())) == 3
     for name, recipe, prompt in users:
         report = json.loads((app["jobs"] / folders[name] / "report.json").read_text())
         assert report["recipe"]["name"] == recipe
@@ -105,16 +105,14 @@ def test_cancel_leaves_nothing_behind(app, tiny_llama_dir):
     assert set(app["jobs"].iterdir()) == before
 
 
-@pytest.mark.parametrize("repo", ["../../etc", "nobody/does-not-exist"])
-def test_bad_repo_is_an_error_and_the_app_stays_usable(app, tiny_llama_dir, repo):
+def test_bad_repo_is_an_error_and_the_app_stays_usable(app, tiny_llama_dir):
     from gradio_client import Client
 
     client = Client(app["url"], verbose=False)
-    with pytest.raises(Exception) as info:
-        lower(client, **tiny_args(tiny_llama_dir, source="Hugging Face Hub repo", hub_repo=repo))
-    message = str(info.value)
-    assert ("not a valid Hugging Face repo id" in message) if repo.startswith("..") else ("cannot reach the Hub" in message)
-    assert "Traceback" not in message
+    for repo, expected in (("../../etc", "not a valid Hugging Face repo id"), ("nobody/does-not-exist", "cannot reach the Hub")):
+        with pytest.raises(Exception) as info:
+            lower(client, **tiny_args(tiny_llama_dir, source="Hugging Face Hub repo", hub_repo=repo))
+        assert expected in str(info.value) and "Traceback" not in str(info.value)
     status = lower(client, **tiny_args(tiny_llama_dir))[0]
     assert "1 of 1 recipes finished" in status
 
@@ -311,17 +309,3 @@ def test_push_to_hub_creates_the_repo_and_round_trips(hub, tiny_fp32_run, tmp_pa
         with pytest.raises(UserFacingError, match=expected) as info:
             push_to_hub(folder, "org/tiny-llama", token=token)
         assert token not in str(info.value)
-
-
-def test_the_same_from_a_script(tiny_llama_dir, tmp_path):
-    """What Lower does with two recipes, `python -m recipes run --recipe A --recipe B` does too."""
-    from tests.conftest import run_cli
-
-    out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--recipe", "xnnpack-8da4w",
-                     "--out", str(out), "--max-seq-len", "64", "--max-new-tokens", "4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads((out / "summary.json").read_text())
-    assert [row["recipe"] for row in rows] == ["xnnpack-fp32", "xnnpack-8da4w"]
-    for recipe in ("xnnpack-fp32", "xnnpack-8da4w"):
-        assert (out / recipe / "model.pte").is_file() and (out / recipe / "report.json").is_file()

@@ -1,7 +1,7 @@
 """Bad input gets one clear line that says what to do, a non-zero exit, and nothing written."""
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 
 def _fails_cleanly(result, out, *fragments):
@@ -57,13 +57,13 @@ def test_missing_local_path_is_refused(tmp_path):
 )
 def test_bad_recipe_input_is_refused(tiny_llama_dir, tmp_path, args, message):
     out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out), *args)
+    result = run_main("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out), *args)
     _fails_cleanly(result, out, message)
 
 
 def test_prompt_longer_than_the_context_is_refused_before_any_export(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+    result = run_main("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
                      "--max-seq-len", "64", "--prompt", "hello world " * 5000)
     _fails_cleanly(result, out, "does not fit in the max context of 64")
     assert "exporting" not in result.stderr
@@ -73,8 +73,8 @@ def test_non_ascii_and_emoji_prompt_runs(tiny_llama_dir, tmp_path):
     import json
 
     out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
-                     "--max-seq-len", "64", "--max-new-tokens", "4", "--prompt", "Grüß Gott, 東京 🚀🙂 ?")
+    result = run_main("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--out", str(out),
+                      "--max-seq-len", "64", "--max-new-tokens", "4", "--prompt", "Grüß Gott, 東京 🚀🙂 ?")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert report["generations"][0]["prompt"] == "Grüß Gott, 東京 🚀🙂 ?"

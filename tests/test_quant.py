@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from errors import UserFacingError
-from tests.conftest import run_cli
+from tests.conftest import run_main
 
 HIDDEN = 64  # the tiny Llama's hidden size
 
@@ -83,7 +83,7 @@ def test_invalid_backend_scheme_is_refused_with_valid_choices(tmp_path):
     with pytest.raises(UserFacingError, match="coreml takes: fp32, int4-weight, int8-weight"):
         check_scheme(backends["coreml"], "8da4w")
     out = tmp_path / "out"
-    result = run_cli("run", "--recipe", "xnnpack-int8-weight", "--out", str(out))
+    result = run_main("run", "--recipe", "xnnpack-int8-weight", "--out", str(out))
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "xnnpack does not take the int8-weight scheme" in last
@@ -93,17 +93,17 @@ def test_invalid_backend_scheme_is_refused_with_valid_choices(tmp_path):
 
 def test_a_recipe_option_no_recipe_takes_is_refused_with_the_options_there_are(tmp_path):
     out = tmp_path / "out"
-    result = run_cli("run", "--recipe", "qnn-16a4w", "--option", "layers_per_shrad=2", "--out", str(out))
+    result = run_main("run", "--recipe", "qnn-16a4w", "--option", "layers_per_shrad=2", "--out", str(out))
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "layers_per_shrad: no recipe takes this option" in last and "layers_per_shard" in last
     assert "loading" not in result.stderr and not out.exists()
-    malformed = run_cli("run", "--recipe", "qnn-16a4w", "--option", "layers_per_shard", "--out", str(out))
+    malformed = run_main("run", "--recipe", "qnn-16a4w", "--option", "layers_per_shard", "--out", str(out))
     assert malformed.returncode == 2 and "is not KEY=VALUE" in malformed.stderr and not out.exists()
 
 
 def test_list_prints_the_compatibility_table():
-    result = run_cli("list")
+    result = run_main("list")
     assert result.returncode == 0
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.split()}
     assert rows["scheme"] == ["xnnpack", "coreml", "qnn", "vulkan"]  # the backend that runs here first

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from errors import UserFacingError
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 
 
 def test_fp32_runtime_logits_match_eager(tiny_fp32_lowered):
@@ -66,10 +66,15 @@ def test_delegation_table_of_fp32(tiny_fp32_lowered):
 
 
 def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
+    """`python -m recipes run --recipe A --recipe B` does what the app's Lower does with two recipes."""
     out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
-                     "--max-seq-len", "64", "--max-new-tokens", "6", "--prompt", "what is the capital ?")
+    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-fp32", "--recipe", "xnnpack-8da4w",
+                     "--out", str(out), "--max-seq-len", "64", "--max-new-tokens", "6", "--prompt", "what is the capital ?")
     assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((out / "summary.json").read_text())
+    assert [row["recipe"] for row in rows] == ["xnnpack-fp32", "xnnpack-8da4w"]
+    assert (out / "xnnpack-fp32" / "model.pte").is_file() and (out / "xnnpack-fp32" / "report.json").is_file()
+    out = out / "xnnpack-8da4w"
     report = json.loads((out / "report.json").read_text())
     pte = (out / "model.pte").read_bytes()
     assert report["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
@@ -100,8 +105,8 @@ def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_p
     from recipes.xnnpack import BACKEND
 
     out = tmp_path / "out"
-    result = run_cli("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
-                     "--max-seq-len", "64", "--export-only")
+    result = run_main("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
+                      "--max-seq-len", "64", "--export-only")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert report["generations"] == [] and report["fidelity"] is None and "export only" in report["generation_note"]

@@ -10,11 +10,18 @@ def _mm(report) -> dict:
     return {o["op"]: o for o in report["delegation"]["ops"]}["aten_mm_default"]
 
 
-def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def vulkan_run(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama through run() with vulkan-fp32 and vulkan-fp16: (out folder, summary)."""
     from recipes.run import RunRequest, run
 
-    summary = run(RunRequest(recipes=["vulkan-fp32", "vulkan-fp16"], out_dir=tmp_path, model=str(tiny_llama_dir),
-                             max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))
+    out = tmp_path_factory.mktemp("vulkan")
+    return out, run(RunRequest(recipes=["vulkan-fp32", "vulkan-fp16"], out_dir=out, model=str(tiny_llama_dir),
+                               max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))
+
+
+def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(vulkan_run):
+    tmp_path, summary = vulkan_run
     for report in summary["recipes"]:
         assert report["errors"] == [], report["errors"]
         mm = _mm(report)
@@ -31,12 +38,10 @@ def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(t
     assert summary["recipes"][1]["timings_s"]["shared_quantization_with"] == "vulkan-fp32"
 
 
-def test_vulkan_pte_on_the_wheels_runtime_says_where_it_runs(tiny_llama_dir, tmp_path):
+def test_vulkan_pte_on_the_wheels_runtime_says_where_it_runs(vulkan_run):
     from errors import UserFacingError
     from recipes.generate import load_runtime_method
-    from recipes.run import RunRequest, run
 
-    run(RunRequest(recipes=["vulkan-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir), max_seq_len=32,
-                   max_new_tokens=3, generate=False))
+    out, _summary = vulkan_run
     with pytest.raises(UserFacingError, match="VulkanBackend programs run on devices with a Vulkan 1.1 GPU"):
-        load_runtime_method(tmp_path / "model.pte")
+        load_runtime_method(out / "vulkan-fp32" / "model.pte")

@@ -70,14 +70,17 @@ def test_builtin_zoo_entry_matches_the_builtin_checkpoint_config():
 
 
 def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_path):
-    from tests.conftest import run_cli
+    import sys
 
-    unknown_model = run_cli("matrix", "--models", "nobody/none", "--recipes", "xnnpack-fp32", "--out", str(tmp_path))
+    from tests.conftest import run_main
+
+    unknown_model = run_main("matrix", "--models", "nobody/none", "--recipes", "xnnpack-fp32", "--out", str(tmp_path))
     assert unknown_model.returncode == 2 and "is not in the zoo" in unknown_model.stderr
-    unknown_recipe = run_cli("matrix", "--models", "smollm2-360m-instruct", "--recipes", "xnnpack-int3",
-                             "--weights", "random", "--out", str(tmp_path))
+    unknown_recipe = run_main("matrix", "--models", "smollm2-360m-instruct", "--recipes", "xnnpack-int3",
+                              "--weights", "random", "--out", str(tmp_path))
     assert unknown_recipe.returncode == 2 and "xnnpack" in unknown_recipe.stderr
     assert not (tmp_path / "results.json").exists()
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
 def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():

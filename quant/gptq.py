@@ -11,7 +11,8 @@ The decoder layers are quantized in order, each observing the inputs the already
 produce (GPTQ's sequential form), then the output layer. Columns go in order of decreasing Hessian diagonal
 ("act order"); each group's scale is fixed beforehand from the float weights, by the clipping of the group's
 maximum that gives the least squared error (GPTQ's reference quantizer's search), so reordering the columns
-never mixes groups.
+never mixes groups. Once the integers are chosen, each row's group scales are solved again for them against
+the same Hessian (refit_scales): the loop chose the integers for scales fitted to the weights alone.
 """
 from __future__ import annotations
 
@@ -52,16 +53,14 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
                 damping: float = DAMPING) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values in [-8, 7] [rows, columns], scales [rows, columns // group_size]) minimizing
     ||X Wᵀ - X Qᵀ||² for the inputs X whose `hessian` is given, column by column."""
-    hessian = hessian.to(torch.float32, copy=True)
-    columns = weight.shape[1]
     dead = torch.diag(hessian) == 0  # an input that is always zero: any value of its column will do
-    hessian[dead, dead] = 1
+    hessian = _damped(hessian, damping)
+    columns = weight.shape[1]
     scales = group_scales(weight.to(torch.float32).masked_fill(dead, 0), group_size)
     order = torch.argsort(torch.diag(hessian), descending=True)
     group_of = (order // group_size).tolist()
     weight = weight[:, order].to(torch.float32).masked_fill_(dead[order], 0)  # a copy: the caller's stays
     hessian = hessian[order][:, order]
-    hessian.diagonal().add_(damping * torch.mean(torch.diag(hessian)))
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
     values = torch.empty_like(weight, dtype=torch.int8)
     for start in range(0, columns, BLOCK):
@@ -78,6 +77,49 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
             errors[:, j] = error
         weight[:, end:].sub_(errors @ inverse[start:end, end:])
     return values[:, torch.argsort(order)].contiguous(), scales
+
+
+def _damped(hessian: torch.Tensor, damping: float) -> torch.Tensor:
+    hessian = hessian.to(torch.float32, copy=True)
+    dead = torch.diag(hessian) == 0
+    hessian[dead, dead] = 1
+    hessian.diagonal().add_(damping * torch.mean(torch.diag(hessian)))
+    return hessian
+
+
+def _row_errors(weight: torch.Tensor, hessian: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """Per row, (w - q·s) H (w - q·s)ᵀ: the row's share of ||X Wᵀ - X Qᵀ||²."""
+    rows = values.shape[0]
+    error = weight - (values.to(torch.float32).view(rows, -1, group_size) * scales[..., None]).view(rows, -1)
+    return ((error @ hessian) * error).sum(-1)
+
+
+@torch.no_grad()
+def refit_scales(weight: torch.Tensor, hessian: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                 group_size: int, damping: float = DAMPING) -> torch.Tensor:
+    """For the integers `values`, each row's group scales s minimizing (w - q·s) H (w - q·s)ᵀ, the least-squares
+    system A s = b with A[g, h] = Σ q_i H_ij q_j (i in group g, j in group h) and b[g] = Σ q_i (H w)_i, rounded
+    to bf16. A row keeps its given scales where that is no worse or a solved scale is not positive."""
+    dead = torch.diag(hessian) == 0
+    hessian = _damped(hessian, damping)
+    weight = weight.to(torch.float32).masked_fill(dead, 0)  # as gptq_weight quantized it
+    q = values.to(torch.float32)
+    rows, columns = q.shape
+    groups = columns // group_size
+    a = torch.empty(rows, groups, groups)
+    for g in range(groups):  # every row's A[g, :] at once: (q_g H_g,:) ⊙ q, summed by group
+        columns_g = slice(g * group_size, (g + 1) * group_size)
+        a[:, g] = ((q[:, columns_g] @ hessian[columns_g]) * q).view(rows, groups, group_size).sum(-1)
+    b = (q * (weight @ hessian)).view(rows, groups, group_size).sum(-1)
+    # A group whose integers are all zero leaves its row of A empty: a small pull to the given scale.
+    ridge = 1e-6 * a.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp(min=1e-12)
+    solved = torch.linalg.solve(a + torch.diag_embed(ridge.expand(rows, groups)),
+                                (b + ridge * scales).unsqueeze(-1)).squeeze(-1)
+    refitted = solved.to(torch.bfloat16).to(torch.float32)
+    better = (refitted > 0).all(-1) & (_row_errors(weight, hessian, values, refitted, group_size)
+                                       < _row_errors(weight, hessian, values, scales, group_size))
+    return torch.where(better[:, None], refitted, scales)
 
 
 class _FirstLayerReached(Exception):
@@ -131,6 +173,7 @@ def _quantize(linears: list[nn.Linear], hessians: list[torch.Tensor], group_size
               int4_weight: Callable[[torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]) -> None:
     for linear, hessian in zip(linears, hessians):
         values, scales = gptq_weight(linear.weight.data, hessian, group_size)
+        scales = refit_scales(linear.weight.data, hessian, values, scales, group_size)
         weight = values.to(torch.float32).view(values.shape[0], -1, group_size) * scales[..., None]
         linear.weight = nn.Parameter(int4_weight(weight.view(values.shape), scales, (1, group_size)),
                                      requires_grad=False)

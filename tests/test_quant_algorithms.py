@@ -338,3 +338,27 @@ def test_gptq_on_uncorrelated_inputs_rounds_each_weight_to_its_group_grid():
     rounded = (weight.view(16, 2, 32) / scales[..., None]).round().clamp(QMIN, QMAX).view(16, 64)
     assert torch.equal(values.float(), rounded)
     assert torch.equal(scales, scales.to(torch.bfloat16).float())  # as a .pte stores them
+
+
+def test_gptq_scale_refit_solves_each_rows_least_squares_and_never_adds_error():
+    """The refit scales are the least-squares scales for GPTQ's integers against the Hessian (a direct
+    solve of the same problem agrees), they are bf16, and no row's error grows."""
+    from quant.gptq import _damped, _row_errors, gptq_weight, refit_scales
+
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randn(400, 64, generator=generator) @ torch.randn(64, 64, generator=generator)
+    hessian = 2 * inputs.T @ inputs
+    weight = torch.randn(8, 64, generator=generator)
+    values, scales = gptq_weight(weight, hessian, 32)
+    refitted = refit_scales(weight, hessian, values, scales, 32)
+    damped = _damped(hessian, 0.1)
+    before = _row_errors(weight, damped, values, scales, 32)
+    after = _row_errors(weight, damped, values, refitted, 32)
+    assert torch.all(after <= before) and after.sum() < 0.99 * before.sum()
+    assert torch.equal(refitted, refitted.to(torch.bfloat16).float())
+    for row in range(8):  # least squares over the row's two scales, written out as a design matrix
+        design = torch.zeros(64, 2)
+        design[:32, 0], design[32:, 1] = values[row, :32].float(), values[row, 32:].float()
+        root = torch.linalg.cholesky(damped.double()).T  # w H wᵀ = ||root w||²
+        exact = torch.linalg.lstsq(root @ design.double(), root @ weight[row].double()).solution
+        assert torch.allclose(refitted[row].double(), exact, rtol=1e-2)

@@ -155,6 +155,34 @@ def copy_sharing_weights(edge_program: torch.export.ExportedProgram) -> torch.ex
     return copy.deepcopy(edge_program, shared)
 
 
+def release_weights(program: torch.export.ExportedProgram) -> None:
+    """Replaces the program's weights and constants by stand-ins of the same shape, dtype and device that hold
+    one element (a broadcast view), so what else held the weights alone is freed. For a program whose values are
+    never read again; ExecuTorch still traces a delegate's source program under fake tensors while serializing,
+    so the stand-ins stay on the CPU, not on the meta device. Buffers (the K/V caches that trace writes to, the
+    small tables) are kept."""
+    parameters = set(program.graph_signature.parameters)
+    for table in (program.state_dict, program.constants):
+        for name, value in table.items():
+            if name in parameters and isinstance(value, torch.Tensor) \
+                    and value.numel() > 1:
+                stand_in = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
+                table[name] = (torch.nn.Parameter(stand_in, requires_grad=False)
+                               if isinstance(value, torch.nn.Parameter) else stand_in)
+
+
+def release_lowered_weights(program: torch.export.ExportedProgram, edge) -> None:
+    """After lowering, before serializing: the program lowered and each delegated partition's source program
+    give up their weights. The backends' payloads hold the weights now, and serializing reads only the
+    partitions' graphs (ExecuTorch's emitter takes their debug handles and output counts)."""
+    from executorch.exir.lowered_backend_module import get_lowered_submodules
+
+    release_weights(program)
+    for method in edge.methods:
+        for _, lowered, _ in get_lowered_submodules(edge.exported_program(method).graph_module):
+            release_weights(lowered.original_module)
+
+
 def swap_attribute(owner, name: str, new) -> Callable[[], None]:
     """Sets owner.name = new; returns what puts the original back (an inherited attribute is inherited again)."""
     had_own = name in vars(owner)
@@ -189,6 +217,7 @@ def lower_to_pte(
     before_serialize=None,
     generate_etrecord: bool = False,
     pte_path: Path | None = None,
+    consume_program: bool = False,
 ) -> LoweredProgram:
     """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
     and to_executorch and left before this returns. constant_methods: methods that return a constant
@@ -197,14 +226,17 @@ def lower_to_pte(
     generate_etrecord: also ExecuTorch's ETRecord of the program, for its devtools.
     pte_path: write the .pte there (atomically) from ExecuTorch's pieces, never holding it as one contiguous
     `bytes` beside them, which would cost a second copy of the program at its peak; without it the
-    LoweredProgram holds the bytes."""
+    LoweredProgram holds the bytes.
+    consume_program: the caller will not use `program` again, so its weights are released once lowered
+    (release_lowered_weights): a weight nothing else holds (the module it was exported from, say) is then not
+    in memory while the .pte is written. Not with an ETRecord, which serializes the partitions' programs."""
     with lowering_context():
         return _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
-                      generate_etrecord, pte_path)
+                      generate_etrecord, pte_path, consume_program and not generate_etrecord)
 
 
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
-           generate_etrecord, pte_path):
+           generate_etrecord, pte_path, release):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     from recipes import rss
@@ -236,6 +268,8 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     del lowered_gm
     if before_serialize is not None:
         before_serialize(edge)
+    if release:
+        release_lowered_weights(program, edge)
     malloc_policy.trim_freed_heap()
     rss.mark()
     start = time.perf_counter()

@@ -211,7 +211,9 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             "quantize": quantize,
             "export": before + module * (1 + EXPORT_RATIO),
             "lower": before + module + _lowering_bytes(recipe, w, pte, pte_lin, recipe_options),
-            "serialize": before + module + pte * recipe.backend.serialize_memory_ratio,
+            # export-only lets go of the module once lowered (recipes/lowering.py: release_lowered_weights)
+            "serialize": (before + (module if reference_dtype is not None or needed_later else 0)
+                          + pte * recipe.backend.serialize_memory_ratio),
         }
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None

@@ -389,16 +389,24 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         "errors": [],
     }
     module = lowered = None
+    stage = "prepare"
     try:
         module, program, report["quantization"] = _prepare(recipe, checkpoint, request, prepared, stages, timings)
+        stage = "lower"
         backend = recipe.backend
         started = stages.begin(f"lowering to {backend.title} ({recipe.name})")
         options = report["recipe"]["options"]
         report["recipe"]["options"] = {**options, **backend.describe_options(options)}
         report["llm_metadata"] = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                               _stop_ids(checkpoint))
+        key = preparation_key(recipe, request)
+        if not request.generate and key not in (needed_later or set()):
+            # Nothing runs the module again: the program's weights are its only copy, released once lowered.
+            prepared.pop(key, None)
+            module = None
         lowered = lower_for_backend(program, recipe, options, constant_methods=report["llm_metadata"],
-                                    generate_etrecord=request.etrecord, pte_path=recipe_dir / "model.pte")
+                                    generate_etrecord=request.etrecord, pte_path=recipe_dir / "model.pte",
+                                    consume_program=True)
         stages.end(started, timings, "lower")
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         timings[STAGE_PEAKS].update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
@@ -407,7 +415,7 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
     except (Cancelled, OutputWriteError):
         raise
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
-        report["errors"].append(_error("lower" if module is not None else "prepare", err))
+        report["errors"].append(_error(stage, err))
     step = engine = None
     if not request.generate:
         report["generation_note"] = "export only: no sample generations and no fidelity were asked for"

@@ -221,3 +221,29 @@ def test_disk_full_while_writing_pte_leaves_nothing_partial(tiny_llama_dir, tiny
     assert last.startswith("error: could not write") and "No space left" in last
     assert not (out / "model.pte").exists()
     assert not [p for p in out.rglob("*") if p.name.endswith(".partial")]
+
+
+def test_a_consumed_program_lets_go_of_its_weights_before_serializing_and_gives_the_same_pte(tiny_checkpoint):
+    """consume_program: once lowered, the program and its delegated partitions drop their weights, so a weight
+    the caller no longer holds is freed before the .pte is written, and the .pte is byte for byte the same."""
+    import gc
+    import weakref
+
+    from models.llama import build_exportable
+    from recipes.lowering import export_program, lower_for_backend
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("xnnpack-fp32")
+    options = recipe.export_options(64)
+    ptes, alive = [], []
+    for consume in (False, True):
+        module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
+        program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
+        weight = weakref.ref(module.model.layers[0].mlp.down_proj.weight)
+        del module
+        ptes.append(lower_for_backend(program, recipe, {}, consume_program=consume).pte)
+        gc.collect()
+        alive.append(weight() is not None)
+        del program
+    assert alive == [True, False]
+    assert ptes[0] == ptes[1]

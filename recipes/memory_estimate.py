@@ -25,8 +25,10 @@ BASE_BYTES = 0.45 * GB
 # quantizing: the unit being built (the output layer, for these vocabularies) in fp32, its quantized rows and
 # their concatenation (quant.schemes.apply_scheme_by_rows), over the module quantized so far;
 QUANTIZE_TRANSIENT = 1.5
-# export: torch.export's copies, over the quantized module;
+# export: torch.export's copies, over the quantized module; a strict export's (Dynamo's) trace also copies the
+# weights for a while (Backend.strict_export);
 EXPORT_RATIO = 0.15
+STRICT_EXPORT_RATIO = 1.35
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
 # the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized
@@ -209,7 +211,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             quantize = before + module * recipe.backend.pt2e_memory_ratio
         run = {
             "quantize": quantize,
-            "export": before + module * (1 + EXPORT_RATIO),
+            "export": before + module * (1 + (STRICT_EXPORT_RATIO if recipe.backend.strict_export else EXPORT_RATIO)),
             "lower": before + module + _lowering_bytes(recipe, w, pte, pte_lin, recipe_options),
             # export-only lets go of the module once lowered (recipes/lowering.py: release_lowered_weights)
             "serialize": (before + (module if reference_dtype is not None or needed_later else 0)

@@ -100,7 +100,7 @@ def refit_scales(weight: torch.Tensor, hessian: torch.Tensor, values: torch.Tens
                  group_size: int, damping: float = DAMPING) -> torch.Tensor:
     """For the integers `values`, each row's group scales s minimizing (w - q·s) H (w - q·s)ᵀ, the least-squares
     system A s = b with A[g, h] = Σ q_i H_ij q_j (i in group g, j in group h) and b[g] = Σ q_i (H w)_i, rounded
-    to bf16. A row keeps its given scales where that is no worse or a solved scale is not positive."""
+    to bf16. A row keeps its given scales where the refit is no better or a solved scale is not positive."""
     dead = torch.diag(hessian) == 0
     hessian = _damped(hessian, damping)
     weight = weight.to(torch.float32).masked_fill(dead, 0)  # as gptq_weight quantized it

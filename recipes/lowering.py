@@ -156,19 +156,17 @@ def copy_sharing_weights(edge_program: torch.export.ExportedProgram) -> torch.ex
 
 
 def release_weights(program: torch.export.ExportedProgram) -> None:
-    """Replaces the program's weights and constants by stand-ins of the same shape, dtype and device that hold
-    one element (a broadcast view), so what else held the weights alone is freed. For a program whose values are
-    never read again; ExecuTorch still traces a delegate's source program under fake tensors while serializing,
-    so the stand-ins stay on the CPU, not on the meta device. Buffers (the K/V caches that trace writes to, the
-    small tables) are kept."""
-    parameters = set(program.graph_signature.parameters)
-    for table in (program.state_dict, program.constants):
-        for name, value in table.items():
-            if name in parameters and isinstance(value, torch.Tensor) \
-                    and value.numel() > 1:
-                stand_in = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
-                table[name] = (torch.nn.Parameter(stand_in, requires_grad=False)
-                               if isinstance(value, torch.nn.Parameter) else stand_in)
+    """Replaces the program's parameters by stand-ins of the same shape, dtype and device that hold one element
+    (a broadcast view), so what else held the weights alone is freed. For a program whose values are never read
+    again; ExecuTorch still traces a delegate's source program under fake tensors while serializing, so the
+    stand-ins stay on the CPU, not on the meta device. Buffers (the K/V caches that trace writes to, the small
+    tables) are kept."""
+    for name in program.graph_signature.parameters:
+        value = program.state_dict.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            stand_in = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
+            program.state_dict[name] = (torch.nn.Parameter(stand_in, requires_grad=False)
+                                        if isinstance(value, torch.nn.Parameter) else stand_in)
 
 
 def release_lowered_weights(program: torch.export.ExportedProgram, edge) -> None:

@@ -34,7 +34,8 @@ RUNTIME_RATIO = 1.0
 # the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized
 # state and the event buffers, over the .pte (the timed run's program and the quantized module are released).
 PROFILE_RATIO = 3.5
-# Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25).
+# Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25), until
+# the tokenizer is read and gives the count (recipes/run.py).
 EVAL_TOKENS_PER_CHAR = 0.3
 # scoring a text: its log-softmax, the reference's and their difference, over the text's logits.
 SCORING_RATIO = 3.0
@@ -62,6 +63,7 @@ class JobEstimate:
     recipes: list[RecipeEstimate] = field(default_factory=list)
     # the dtype the reference keeps its matrices in (models/compute_dtype.py); None without generation
     reference_weight_dtype: torch.dtype | None = None
+    eval_tokens: list[int] | None = None  # the fidelity texts' token counts it assumed; None without generation
 
     @property
     def peak_stage(self) -> str:
@@ -130,7 +132,7 @@ def checkpoint_dtype(config) -> torch.dtype:
 
 
 def _eval_tokens() -> list[int]:
-    """Tokens of each fidelity text (the evaluation text and the held-out one)."""
+    """Tokens of each fidelity text (the evaluation text and the held-out one), guessed from their length."""
     from recipes.fidelity import EVAL_TEXT, HELDOUT_TEXT
 
     return [int(len(Path(text).read_text()) * EVAL_TOKENS_PER_CHAR) for text in (EVAL_TEXT, HELDOUT_TEXT)]
@@ -144,24 +146,28 @@ def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
 
 
 def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
-                 budget_bytes: int | None = None, options: dict | None = None) -> JobEstimate:
+                 budget_bytes: int | None = None, options: dict | None = None,
+                 eval_tokens: list[int] | None = None) -> JobEstimate:
     """Peak RSS and output disk of running `recipes` (registry Recipes) on a model with this config.
     With generation, the eager reference computes in fp32 on the checkpoint's own weights (a half-precision
     checkpoint's matrices stay in its dtype, models/compute_dtype.py) when that fits in `budget_bytes` (default:
     this host's, see memory_budget), else in the checkpoint's own dtype. options: recipe name -> its options
-    (recipes/run.py: recipe_options), which say whether it quantizes the whole float model at once."""
+    (recipes/run.py: recipe_options), which say whether it quantizes the whole float model at once.
+    eval_tokens: the fidelity texts' token counts by the model's tokenizer, once it is read (a tokenizer made
+    for a random checkpoint can make twice the usual count, and every token keeps a row of logits)."""
     if generate:
         budget = memory_budget()[0] if budget_bytes is None else budget_bytes
         stored = checkpoint_dtype(config)
-        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options)
+        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options, eval_tokens)
         if fp32.peak_rss_bytes <= budget or stored == torch.float32:
             return fp32
-        return _estimate(config, recipes, max_seq_len, stored, options=options)
+        return _estimate(config, recipes, max_seq_len, stored, options=options, eval_tokens=eval_tokens)
     return _estimate(config, recipes, max_seq_len, None, options=options)
 
 
 def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
-              reference_weight_dtype: torch.dtype | None = None, options: dict | None = None) -> JobEstimate:
+              reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
+              eval_tokens: list[int] | None = None) -> JobEstimate:
     from quant.calibration import CALIBRATION_TOKENS
     from quant.quantize import quantizes_by_unit
     from quant.schemes import SCHEMES
@@ -173,7 +179,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     stages = {"load": BASE_BYTES}
     kept = 0.0  # what the job holds from one stage to the next
     window_logits = min(max_seq_len, 4096) * vocab * 4 * PREFILL_LOGITS
-    text_tokens = _eval_tokens() if reference_dtype is not None else []
+    text_tokens = (eval_tokens or _eval_tokens()) if reference_dtype is not None else []
     if reference_dtype is not None:
         ref_bytes = torch.finfo(reference_dtype).bits // 8
         weight_dtype = reference_weight_dtype or reference_dtype
@@ -233,7 +239,8 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     peak = max([*stages.values(), *(r.peak_rss_bytes for r in per_recipe)])
     return JobEstimate(int(peak), sum(r.pte_bytes for r in per_recipe), int(checkpoint_bytes), reference_dtype,
                        stages, per_recipe,
-                       reference_weight_dtype=(reference_weight_dtype or reference_dtype) if reference_dtype else None)
+                       reference_weight_dtype=(reference_weight_dtype or reference_dtype) if reference_dtype else None,
+                       eval_tokens=text_tokens or None)
 
 
 def memory_budget() -> tuple[int, str]:
@@ -256,10 +263,11 @@ def memory_budget() -> tuple[int, str]:
     return int(budget), where
 
 
-def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, options: dict | None = None) -> JobEstimate:
+def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, options: dict | None = None,
+                   eval_tokens: list[int] | None = None) -> JobEstimate:
     """The job's estimate, or a UserFacingError with its numbers and what would fit instead."""
     budget, where = memory_budget()
-    estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options)
+    estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options, eval_tokens)
     if estimate.peak_rss_bytes <= budget:
         return estimate
     choices = []
@@ -267,16 +275,16 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
         export_only = estimate_job(config, recipes, max_seq_len, False, budget, options)
         choices.append(f"an export-only run (--export-only: {export_only.peak_rss_bytes / GB:.1f} GB)")
     if len(recipes) > 1:
-        alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget, options).peak_rss_bytes
+        alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget, options, eval_tokens).peak_rss_bytes
                  for r in recipes}
         choices.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
     if options and any(options.values()):
-        by_unit = estimate_job(config, recipes, max_seq_len, generate, budget)
+        by_unit = estimate_job(config, recipes, max_seq_len, generate, budget, eval_tokens=eval_tokens)
         if by_unit.peak_rss_bytes < estimate.peak_rss_bytes:
             choices.append("each scheme's default algorithm without a mixed-precision budget, which quantizes "
                            f"piece by piece ({by_unit.peak_rss_bytes / GB:.1f} GB)")
     if max_seq_len > 256:
-        shorter = estimate_job(config, recipes, 256, generate, budget, options)
+        shorter = estimate_job(config, recipes, 256, generate, budget, options, eval_tokens)
         choices.append(f"a smaller max context (--max-seq-len 256: {shorter.peak_rss_bytes / GB:.1f} GB)")
     raise UserFacingError(
         f"this job needs about {estimate.peak_rss_bytes / GB:.1f} GB of memory at its peak ({estimate.peak_stage}) "

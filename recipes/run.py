@@ -207,10 +207,10 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     started = stages.begin("loading the checkpoint")
     estimates: list = []  # the job's memory estimate, made from the config before any weight is read
 
-    def check_memory(config) -> None:
+    def check_memory(config, eval_tokens: list[int] | None = None) -> None:
         options = {recipe.name: recipe_options(recipe, request) for recipe in recipes}
-        estimates.append(memory_estimate.check_job_fits(config, recipes, request.max_seq_len, request.generate,
-                                                        options))
+        estimates[:] = [memory_estimate.check_job_fits(config, recipes, request.max_seq_len, request.generate,
+                                                       options, eval_tokens)]
 
     checkpoint = load_checkpoint(
         request.model, revision=request.revision, token=request.token, allow_pickle=request.allow_pickle,
@@ -228,6 +228,10 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
 
     reference = eval_reference = None
     if request.generate:
+        texts = {"eval": fidelity.EVAL_TEXT, "heldout": fidelity.HELDOUT_TEXT}
+        eval_ids = {name: fidelity.eval_token_ids(checkpoint.tokenizer, path) for name, path in texts.items()}
+        if estimates:  # again with the texts' token counts by this tokenizer, before the reference is built
+            check_memory(checkpoint.config, [len(ids) for ids in eval_ids.values()])
         reference_dtype = estimates[0].reference_dtype if estimates else torch.float32
         weight_dtype = estimates[0].reference_weight_dtype if estimates else None
         if weight_dtype != checkpoint.dtype:
@@ -245,8 +249,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         stages.end(started, shared_timings, "reference_generation")
         started = stages.begin(f"{engine} reference logits on the evaluation texts")
         eval_reference = {"engine": engine}
-        for name, path in (("eval", fidelity.EVAL_TEXT), ("heldout", fidelity.HELDOUT_TEXT)):
-            ids = fidelity.eval_token_ids(checkpoint.tokenizer, path)
+        for name, ids in eval_ids.items():
             eval_reference[name] = (ids, fidelity.sequence_logits(gen.eager_step(reference_module), ids,
                                                                   request.max_seq_len),
                                     fidelity.targets_of(ids, request.max_seq_len))

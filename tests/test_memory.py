@@ -195,6 +195,28 @@ def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit()
     assert tight.stages["reference"] < roomy.stages["reference"]
 
 
+def test_the_estimate_keeps_a_row_of_logits_for_every_token_of_the_evaluation_texts():
+    """The texts' token counts come from the model's tokenizer once it is read (recipes/run.py); a tokenizer that
+    makes twice the tokens (a random checkpoint's) keeps twice the reference logits through every later stage."""
+    from bench.scale_models import CONFIGS
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**CONFIGS["llama-3.2-3b"])
+    recipes = [get_recipe("xnnpack-8da4w")]
+    guessed = estimate_job(config, recipes, 256, True, budget_bytes=10**12)
+    few = estimate_job(config, recipes, 256, True, budget_bytes=10**12, eval_tokens=[400, 500])
+    many = estimate_job(config, recipes, 256, True, budget_bytes=10**12, eval_tokens=[800, 1000])
+    row = config.vocab_size * 4
+
+    assert few.eval_tokens == [400, 500] and guessed.eval_tokens and guessed.eval_tokens != few.eval_tokens
+    assert estimate_job(config, recipes, 256, False).eval_tokens is None
+    grew = {stage: many.recipes[0].stages[stage] - few.recipes[0].stages[stage] for stage in few.recipes[0].stages}
+    # kept: each text's logits; scoring: the logits of the texts once more and the longest text's three times
+    assert grew["quantize"] == grew["generate"] == pytest.approx(900 * row, abs=8)
+    assert grew["fidelity"] == pytest.approx((900 + 900 + 3 * 500) * row, abs=8)
+    assert many.peak_rss_bytes > few.peak_rss_bytes
+
+
 def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_where_it_does_not_fit(monkeypatch):
     """AWQ and mixed precision build the whole float model before quantizing (quant/quantize.py), HQQ one piece at
     a time: at Llama-3.2-1B's shape that is gigabytes the estimate must count before the job starts."""
@@ -299,3 +321,4 @@ def test_a_strict_export_leaves_nothing_that_keeps_the_module_alive():
     del module, program, again
     gc.collect()
     assert weight() is None, "something still holds the exported module's weights"
+

@@ -98,6 +98,14 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert linear["non_delegated"] == 0 and linear["delegated"] == 2 * (5 + 1 + 2) + 1 + 1
     assert report["errors"] == []
     assert not list(out.glob(".*partial"))
+    # the memory estimate counted the fidelity texts with this model's own tokenizer
+    from transformers import AutoTokenizer
+
+    from recipes import fidelity
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert report["memory"]["estimate"]["eval_tokens"] == [
+        len(fidelity.eval_token_ids(tokenizer, path)) for path in (fidelity.EVAL_TEXT, fidelity.HELDOUT_TEXT)]
 
 
 def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_path):

@@ -3,11 +3,13 @@ executorch.exir.to_edge_transform_and_lower -> to_executorch -> .pte, written at
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -102,6 +104,39 @@ def _capture_partitioner_logs():
         root.removeHandler(handler)
         root.setLevel(saved[0])
         root.propagate = saved[1]
+
+
+def _release_cached_programs() -> None:
+    """Once a program is lowered (or failed to), lets go of what ExecuTorch and torch keep of it process-wide.
+    Each of these reaches the lowered program with every delegate's payload, a .pte's worth of memory, which
+    would otherwise stay until the next lowering or the end of the process:
+    - the module-level WhyNoPartition objects partitioners log through keep the last node they logged;
+    - functools caches on ExecuTorch's functions and classes (e.g. is_same_node) are keyed by nodes;
+    - fake-tensor dispatch caches (each ShapeEnv's, and FakeTensorMode's own) are keyed by what the traces
+      dispatched on, the lowered modules included; torch keeps ShapeEnvs alive in caches of its own.
+    Clearing a cache only costs its recomputation."""
+    from executorch.exir.backend.utils import WhyNoPartition
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    caches = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("executorch."):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, WhyNoPartition):
+                value.node = None
+            elif isinstance(value, type) and value.__module__ == name:
+                caches.extend(vars(value).values())
+            else:
+                caches.append(value)
+    for cache in caches:
+        if callable(getattr(cache, "cache_clear", None)) and hasattr(cache, "cache_info"):  # a functools cache
+            cache.cache_clear()
+    FakeTensorMode.cache_clear()
+    for value in gc.get_objects():
+        if type(value) is ShapeEnv:
+            getattr(value, "fake_tensor_cache", {}).clear()
 
 
 def _record_preserved_ops(partitioners: list) -> dict[str, list[str]]:
@@ -229,8 +264,11 @@ def lower_to_pte(
     (release_lowered_weights): a weight nothing else holds (the module it was exported from, say) is then not
     in memory while the .pte is written. Not with an ETRecord, which serializes the partitions' programs."""
     with lowering_context():
-        return _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
-                      generate_etrecord, pte_path, consume_program and not generate_etrecord)
+        try:
+            return _lower(program, partitioners, transform_passes, compile_config, constant_methods,
+                          before_serialize, generate_etrecord, pte_path, consume_program and not generate_etrecord)
+        finally:
+            _release_cached_programs()
 
 
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,

@@ -322,3 +322,29 @@ def test_a_strict_export_leaves_nothing_that_keeps_the_module_alive():
     gc.collect()
     assert weight() is None, "something still holds the exported module's weights"
 
+
+def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint, tmp_path):
+    """ExecuTorch's partitioner logs and functools caches, and torch's fake-tensor caches, reach the lowered
+    program (every delegate's payload) from process-wide objects; lowering lets go of them once the .pte is
+    written, so a job's later stages do not carry a .pte's worth of memory."""
+    import gc
+
+    from executorch.exir.lowered_backend_module import LoweredBackendModule
+
+    from models.llama import build_exportable
+    from recipes.lowering import export_program, lower_for_backend
+
+    def lowered_modules() -> set[int]:
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, LoweredBackendModule)}
+
+    before = lowered_modules()
+    recipe = get_recipe("xnnpack-8da4w")
+    options = recipe.export_options(64)
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
+    apply_scheme(module, recipe.quantization)
+    program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
+    lowered = lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte", consume_program=True)
+    assert lowered.delegation["delegated_subgraphs"] > 1
+    del program
+    assert lowered_modules() - before == set()

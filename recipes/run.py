@@ -414,6 +414,10 @@ def _run_recipe(recipe, checkpoint, request, reference, prepared, stages, shared
         timings["lower"], timings["serialize"] = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         timings[STAGE_PEAKS].update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
         del program  # the lowered program is in the .pte now; what stays is the module, for eager runs
+        # The export and lowering graphs are reference cycles: collected now, their memory is reused by the
+        # runtime's load of the .pte instead of adding to it.
+        gc.collect()
+        malloc_policy.trim_freed_heap()
         report["delegation"] = lowered.delegation
     except (Cancelled, OutputWriteError):
         raise

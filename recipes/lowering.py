@@ -111,28 +111,20 @@ def _release_cached_programs() -> None:
     Each of these reaches the lowered program with every delegate's payload, a .pte's worth of memory, which
     would otherwise stay until the next lowering or the end of the process:
     - the module-level WhyNoPartition objects partitioners log through keep the last node they logged;
-    - functools caches on ExecuTorch's functions and classes (e.g. is_same_node) are keyed by nodes;
+    - ExecuTorch's is_same_node is a functools cache keyed by nodes;
     - fake-tensor dispatch caches (each ShapeEnv's, and FakeTensorMode's own) are keyed by what the traces
       dispatched on, the lowered modules included; torch keeps ShapeEnvs alive in caches of its own.
     Clearing a cache only costs its recomputation."""
-    from executorch.exir.backend.utils import WhyNoPartition
+    from executorch.exir.backend import utils as backend_utils
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    caches = []
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("executorch."):
-            continue
-        for value in list(vars(module).values()):
-            if isinstance(value, WhyNoPartition):
-                value.node = None
-            elif isinstance(value, type) and value.__module__ == name:
-                caches.extend(vars(value).values())
-            else:
-                caches.append(value)
-    for cache in caches:
-        if callable(getattr(cache, "cache_clear", None)) and hasattr(cache, "cache_info"):  # a functools cache
-            cache.cache_clear()
+        if module is not None and name.startswith("executorch."):
+            for value in list(vars(module).values()):
+                if isinstance(value, backend_utils.WhyNoPartition):
+                    value.node = None
+    backend_utils.is_same_node.cache_clear()
     FakeTensorMode.cache_clear()
     for value in gc.get_objects():
         if type(value) is ShapeEnv:

@@ -324,7 +324,7 @@ def test_a_strict_export_leaves_nothing_that_keeps_the_module_alive():
 
 
 def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint, tmp_path):
-    """ExecuTorch's partitioner logs and functools caches, and torch's fake-tensor caches, reach the lowered
+    """ExecuTorch's partitioner logs and is_same_node cache, and torch's fake-tensor caches, reach the lowered
     program (every delegate's payload) from process-wide objects; lowering lets go of them once the .pte is
     written, so a job's later stages do not carry a .pte's worth of memory."""
     import gc

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -28,18 +28,32 @@ def eval_token_ids(tokenizer, path: Path = EVAL_TEXT) -> list[int]:
     return list(tokenizer(path.read_text(), add_special_tokens=False)["input_ids"])
 
 
-def sequence_logits(step: Callable, ids: list[int], max_seq_len: int) -> torch.Tensor:
-    """logits[N, vocab] (fp32) predicting ids[1:] of every window; windows never cross, so each
-    position is conditioned only on its own window's earlier tokens, the same for every engine."""
-    predictions = []
+def window_logits(step: Callable, ids: list[int], max_seq_len: int) -> Iterator[torch.Tensor]:
+    """Each window's logits [T - 1, vocab] (fp32) predicting its ids[1:]; windows never cross, so each position
+    is conditioned only on its own window's earlier tokens, the same for every engine. A yielded tensor may be
+    the runtime's output buffer, which the next window overwrites: use it before asking for the next."""
     for start in range(0, len(ids), max_seq_len):
         window = ids[start:start + max_seq_len]
         if len(window) < 2:
             break
         logits = step(torch.tensor([window], dtype=torch.long), torch.tensor([0], dtype=torch.long))
-        # a copy: the runtime's step lends its output buffer, which the next window overwrites
-        predictions.append(logits[0, :-1].to(torch.float32, copy=True))
-    return torch.cat(predictions)
+        yield logits[0, :-1].to(torch.float32)
+
+
+def sequence_logits(step: Callable, ids: list[int], max_seq_len: int) -> torch.Tensor:
+    """logits[N, vocab] (fp32) of every window (window_logits), predicting targets_of(ids), copied into one
+    tensor as they come: a text's logits are held once, never as pieces beside their concatenation."""
+    positions = len(targets_of(ids, max_seq_len))
+    logits = None
+    row = 0
+    for window in window_logits(step, ids, max_seq_len):
+        if logits is None:
+            logits = torch.empty(positions, window.shape[-1], dtype=torch.float32)
+        logits[row:row + len(window)] = window
+        row += len(window)
+    if logits is None:
+        raise ValueError("a text of fewer than two tokens has no next token to predict")
+    return logits
 
 
 def targets_of(ids: list[int], max_seq_len: int) -> torch.Tensor:
@@ -53,43 +67,67 @@ def targets_of(ids: list[int], max_seq_len: int) -> torch.Tensor:
     return torch.tensor(targets, dtype=torch.long)
 
 
-def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, rows: int = 32) -> dict:
-    """The fidelity figures of `logits` against fp32 `reference` (both [N, vocab]) on next tokens `targets`.
-    Float64, a few rows at a time: the whole [N, vocab] in float64 with its temporaries is over 1 GB."""
-    nll_ref = nll = kl = 0.0
-    for start in range(0, len(targets), rows):
-        ref_logp = torch.log_softmax(reference[start:start + rows].double(), dim=-1)
-        logp = torch.log_softmax(logits[start:start + rows].double(), dim=-1)
-        chunk_targets = targets[start:start + rows, None]
-        nll_ref -= ref_logp.gather(1, chunk_targets).sum().item()
-        nll -= logp.gather(1, chunk_targets).sum().item()
-        kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-    count = len(targets)
-    ppl_ref, ppl = math.exp(nll_ref / count), math.exp(nll / count)
-    agreement = (reference.argmax(-1) == logits.argmax(-1)).double().mean().item() * 100
-    return {
-        "perplexity_fp32": round(ppl_ref, 4),
-        "perplexity": round(ppl, 4),
-        "perplexity_ratio": round(ppl / ppl_ref, 4),
-        "top1_agreement_percent": round(agreement, 2),
-        "mean_kl": round(max(kl / count, 0.0), 6),
-    }
+class _Distance:
+    """Sums of the fidelity figures over rows of logits, taken a few rows at a time in float64: a whole text's
+    [N, vocab] in float64 with its temporaries is over 1 GB."""
+
+    def __init__(self):
+        self.nll_ref = self.nll = self.kl = 0.0
+        self.agreeing = self.count = 0
+
+    def add(self, reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, rows: int = 32) -> None:
+        for start in range(0, len(targets), rows):
+            ref_rows, recipe_rows = reference[start:start + rows], logits[start:start + rows]
+            self.agreeing += int((ref_rows.argmax(-1) == recipe_rows.argmax(-1)).sum())
+            ref_logp = torch.log_softmax(ref_rows.double(), dim=-1)
+            logp = torch.log_softmax(recipe_rows.double(), dim=-1)
+            chunk_targets = targets[start:start + rows, None]
+            self.nll_ref -= ref_logp.gather(1, chunk_targets).sum().item()
+            self.nll -= logp.gather(1, chunk_targets).sum().item()
+            self.kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+        self.count += len(targets)
+
+    def figures(self) -> dict:
+        ppl_ref, ppl = math.exp(self.nll_ref / self.count), math.exp(self.nll / self.count)
+        return {
+            "perplexity_fp32": round(ppl_ref, 4),
+            "perplexity": round(ppl, 4),
+            "perplexity_ratio": round(ppl / ppl_ref, 4),
+            "top1_agreement_percent": round(self.agreeing / self.count * 100, 2),
+            "mean_kl": round(max(self.kl / self.count, 0.0), 6),
+        }
 
 
-def fidelity_report(engine: str, scheme: str, reference: torch.Tensor, logits: torch.Tensor,
-                    targets: torch.Tensor) -> dict:
-    figures = compare(reference, logits, targets)
+def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    """The fidelity figures of `logits` against fp32 `reference` (both [N, vocab]) on next tokens `targets`."""
+    distance = _Distance()
+    distance.add(reference, logits, targets)
+    return distance.figures()
+
+
+def compare_step(step: Callable, ids: list[int], max_seq_len: int, reference: torch.Tensor,
+                 targets: torch.Tensor) -> dict:
+    """compare() of `step`'s logits on `ids` against `reference` (sequence_logits of the fp32 model), one window
+    at a time: the recipe's logits for the whole text, a vocabulary-wide row per token, are never all held."""
+    distance = _Distance()
+    row = 0
+    for window in window_logits(step, ids, max_seq_len):
+        distance.add(reference[row:row + len(window)], window, targets[row:row + len(window)])
+        row += len(window)
+    return distance.figures()
+
+
+def fidelity_report(engine: str, scheme: str, figures: dict, positions: int) -> dict:
     target = TARGETS.get(scheme)
     return {
         "engine": engine,
         "text": f"quant/eval_text.txt ({EVAL_TEXT_SOURCE})",
-        "positions": len(targets),
+        "positions": positions,
         **figures,
         "target": target[0] if target else None,
         "meets_target": bool(target[1](figures)) if target else None,
     }
 
 
-def heldout_report(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict:
-    return {"text": f"quant/{HELDOUT_TEXT.name} ({HELDOUT_TEXT_SOURCE})", "positions": len(targets),
-            **compare(reference, logits, targets)}
+def heldout_report(figures: dict, positions: int) -> dict:
+    return {"text": f"quant/{HELDOUT_TEXT.name} ({HELDOUT_TEXT_SOURCE})", "positions": positions, **figures}

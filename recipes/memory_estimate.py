@@ -37,8 +37,6 @@ PROFILE_RATIO = 3.5
 # Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25), until
 # the tokenizer is read and gives the count (recipes/run.py).
 EVAL_TOKENS_PER_CHAR = 0.3
-# scoring a text: its log-softmax, the reference's and their difference, over the text's logits.
-SCORING_RATIO = 3.0
 PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
 # quantizing with an algorithm that looks at the whole float model (AWQ, SpinQuant, mixed precision;
 # quant/quantize.py): the float module built whole, and the calibration passes' activations and searches, over it.
@@ -188,7 +186,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         if weight_dtype != reference_dtype:
             ref_weights += w.per_layer * ref_bytes  # an fp32 scratch per weight shape of a decoder layer
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
-                               + window_logits + 2 * eval_logits)
+                               + window_logits + eval_logits)
         kept += eval_logits
     per_recipe = []
     # a quantized module is kept while a later recipe shares it (recipes/run.py releases it after its last)
@@ -226,7 +224,9 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None
             run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
-            run["fidelity"] = run["generate"] + (sum(text_tokens) + SCORING_RATIO * max(text_tokens)) * vocab * 4
+            # scored a window at a time (recipes/fidelity.py: compare_step): the window's logits beside the
+            # program's own output, and a few rows' float64 log-softmaxes
+            run["fidelity"] = run["generate"] + window_logits
             if runs_here:
                 run["profile"] = before + (module if needed_later else 0) + pte * PROFILE_RATIO + window_logits
         if needed_later:

@@ -524,11 +524,12 @@ def _recipe_engine(recipe, module, lowered, report) -> tuple:
 
 def _recipe_fidelity(recipe, step, engine, request, eval_reference: dict) -> dict:
     eval_ids, reference_logits, targets = eval_reference["eval"]
-    logits = fidelity.sequence_logits(step, eval_ids, request.max_seq_len)
-    report = fidelity.fidelity_report(engine, recipe.quantization, reference_logits, logits, targets)
+    figures = fidelity.compare_step(step, eval_ids, request.max_seq_len, reference_logits, targets)
+    report = fidelity.fidelity_report(engine, recipe.quantization, figures, len(targets))
     heldout_ids, heldout_logits, heldout_targets = eval_reference["heldout"]
     report["heldout"] = fidelity.heldout_report(
-        heldout_logits, fidelity.sequence_logits(step, heldout_ids, request.max_seq_len), heldout_targets)
+        fidelity.compare_step(step, heldout_ids, request.max_seq_len, heldout_logits, heldout_targets),
+        len(heldout_targets))
     return {**report, "reference_engine": eval_reference["engine"]}
 
 

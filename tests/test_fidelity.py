@@ -46,6 +46,29 @@ def test_windows_survive_a_step_that_lends_one_buffer():
     assert torch.equal(logits.argmax(-1), fidelity.targets_of(ids, 64))
 
 
+def test_a_window_at_a_time_scores_as_the_whole_text_at_once():
+    """compare_step scores each window as it comes, from a step that lends one output buffer, and gives the figures
+    compare gives on the whole text's logits."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (150,)).tolist()
+    weights = torch.randn(200, 200)
+    lent = torch.zeros(1, 64, 200)
+
+    def step(tokens, input_pos):
+        logits = lent[:, : tokens.shape[1]]
+        logits.copy_(weights[tokens] + 0.3 * torch.randn(tokens.shape[1], 200))
+        return logits
+
+    reference = torch.randn(147, 200)
+    targets = fidelity.targets_of(ids, 64)
+    torch.manual_seed(1)
+    whole = fidelity.compare(reference, fidelity.sequence_logits(step, ids, 64), targets)
+    torch.manual_seed(1)
+    windowed = fidelity.compare_step(step, ids, 64, reference, targets)
+    assert windowed == pytest.approx(whole, rel=1e-9)
+    assert 0 < windowed["top1_agreement_percent"] < 100 and windowed["mean_kl"] > 0
+
+
 def test_eval_text_is_shipped_and_tokenizes(tiny_checkpoint):
     text = fidelity.EVAL_TEXT.read_text()
     assert text.startswith("It is a truth universally acknowledged") and len(text.split()) > 250
@@ -69,17 +92,20 @@ def test_broken_scheme_shows_degraded_figures():
     ids = torch.randint(0, 512, (200,)).tolist()
     targets = fidelity.targets_of(ids, 128)
 
-    def logits(quantize):
+    def step(quantize):
         module = build_exportable(config, state_dict, ExportOptions(128, attention="sdpa"))
         quantize(module)
-        return fidelity.sequence_logits(eager_step(module), ids, 128)
+        return eager_step(module)
 
-    reference = logits(lambda m: None)
-    good = fidelity.fidelity_report("eager-quantized", "8da4w", reference,
-                                    logits(lambda m: apply_scheme(m, "8da4w", 32)), targets)
-    broken = fidelity.fidelity_report("eager-quantized", "8da4w", reference, logits(lambda m: quantize_(
-        m, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(1024)),
-        filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))), targets)
+    reference = fidelity.sequence_logits(step(lambda m: None), ids, 128)
+
+    def report(quantize):
+        figures = fidelity.compare_step(step(quantize), ids, 128, reference, targets)
+        return fidelity.fidelity_report("eager-quantized", "8da4w", figures, len(targets))
+
+    good = report(lambda m: apply_scheme(m, "8da4w", 32))
+    broken = report(lambda m: quantize_(m, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(1024)),
+                                        filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear)))
     assert good["meets_target"] is True
     assert broken["meets_target"] is False and broken["perplexity_ratio"] > 2
     assert broken["mean_kl"] > 4 * good["mean_kl"]

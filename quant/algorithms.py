@@ -31,11 +31,15 @@ ALGORITHMS: dict[str, str] = {
     "awq-gptq": "AWQ's scales (torchao) folded in, then GPTQ",
 }
 CALIBRATED = ("awq", "gptq", "awq-gptq")
+# Algorithms that begin with AWQ's scale search.
+AWQ_ALGORITHMS = ("awq", "awq-gptq")
 # Algorithms whose int4 linears GPTQ quantizes (quant/gptq.py), after their fp32 transform.
 GPTQ_ALGORITHMS = ("gptq", "awq-gptq")
-# Calibration tokens an algorithm reads when not quant.calibration's default (None: the whole text). GPTQ's
-# Hessians are as wide as the MLP, and fewer tokens than that leave them near singular.
-ALGORITHM_CALIBRATION_TOKENS = {"gptq": None, "awq-gptq": None}
+# Calibration tokens GPTQ's Hessians are taken over, when an algorithm reads more than quant.calibration's
+# default (which AWQ's search and the mixed-precision search keep to). The Hessians are as wide as the MLP: on a
+# few thousand tokens they are near singular and GPTQ fits the calibration text (docs/quantization.md).
+GPTQ_CALIBRATION_TOKENS = 8192
+ALGORITHM_CALIBRATION_TOKENS = {"gptq": GPTQ_CALIBRATION_TOKENS, "awq-gptq": GPTQ_CALIBRATION_TOKENS}
 
 # Asked for, not offered on this stack, and why.
 UNAVAILABLE: dict[str, str] = {
@@ -240,7 +244,7 @@ def apply_spinquant(module) -> None:
 
 def prepare_weights(module, algorithm: str, weight_config, calibration: list[torch.Tensor] | None) -> None:
     """The fp32 transform an algorithm makes before quantize_ (none for minmax, hqq and gptq)."""
-    if algorithm in ("awq", "awq-gptq"):
+    if algorithm in AWQ_ALGORITHMS:
         if not calibration:
             raise ValueError(f"{algorithm} needs calibration windows")
         apply_awq(module, weight_config, calibration)

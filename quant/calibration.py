@@ -1,6 +1,6 @@
 """Calibration inputs. PT2E quantizers take a few built-in prompts, tokenized with the model's own tokenizer
-and chat template, as (tokens[1, T], input_pos[1]) prefill calls. Calibrated weight algorithms (AWQ) and the
-mixed-precision search read quant/calibration_text.txt, a text no evaluation text shares a passage with."""
+and chat template, as (tokens[1, T], input_pos[1]) prefill calls. Calibrated weight algorithms (AWQ, GPTQ) and
+the mixed-precision search read quant/calibration_text.txt, a text no evaluation text shares a passage with."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +19,12 @@ CALIBRATION_PROMPTS = (
 )
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "calibration_text.txt"
-CALIBRATION_TEXT_SOURCE = "The Declaration of Independence (United States, 1776), full text; public domain"
-# Enough tokens for AWQ's per-input scale search, few enough that it stays a small part of quantizing.
+CALIBRATION_TEXT_SOURCE = ("The Declaration of Independence (United States, 1776), full text, then Lewis Carroll, "
+                           "Alice's Adventures in Wonderland (1865), chapters I-XII (Project Gutenberg eBook #11); "
+                           "public domain")
+# The tokens AWQ's per-input scale search and the mixed-precision search read (GPTQ reads more:
+# quant.algorithms.ALGORITHM_CALIBRATION_TOKENS): enough for their searches, few enough that they stay a small
+# part of quantizing.
 CALIBRATION_TOKENS = 512
 
 
@@ -40,6 +44,11 @@ def calibration_windows(tokenizer, max_seq_len: int, max_tokens: int | None = CA
             if len(ids[i:i + max_seq_len]) > 1]
 
 
-def describe_calibration(windows: list[torch.Tensor]) -> dict:
-    return {"text": f"quant/{CALIBRATION_TEXT.name} ({CALIBRATION_TEXT_SOURCE})",
-            "tokens": sum(w.shape[1] for w in windows)}
+def describe_calibration(windows: list[torch.Tensor], searched: list[torch.Tensor] | None = None) -> dict:
+    """tokens: what the algorithm read (GPTQ's Hessians, or AWQ's search); search_tokens: what AWQ's search and
+    the mixed-precision search read, when fewer."""
+    described = {"text": f"quant/{CALIBRATION_TEXT.name} ({CALIBRATION_TEXT_SOURCE})",
+                 "tokens": sum(w.shape[1] for w in windows)}
+    if searched is not None and searched is not windows:
+        described["search_tokens"] = sum(w.shape[1] for w in searched)
+    return described

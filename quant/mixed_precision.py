@@ -99,6 +99,7 @@ def choose_8bit_units(module: torch.nn.Module, quantize: Callable[[torch.nn.Modu
         "extra_bytes_per_token": spent,
         "int4_bytes_per_token": base,
         "measured_on": "calibration text, eager: mean KL from fp32 of the all-int4 model with one unit at 8da8w",
+        "measured_on_tokens": sum(w.shape[1] for w in windows),
         "int4_mean_kl": round(int4_kl, 5),
         "unit_kl_gain": {u: round(gain[u], 5) for u in units},
         "unit_cost_bytes": {u: cost[u] for u in units},

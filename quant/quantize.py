@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from quant.algorithms import ALGORITHM_CALIBRATION_TOKENS, CALIBRATED
+from quant.algorithms import ALGORITHM_CALIBRATION_TOKENS, AWQ_ALGORITHMS, CALIBRATED
 from quant.calibration import CALIBRATION_TOKENS, calibration_windows, describe_calibration
 from quant.schemes import SCHEMES, prepare_for_scheme, quant_args
 
@@ -39,19 +39,22 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     budget = float(options.get("mixed_precision_budget") or 0.0)
     seconds: dict = {}
     section: dict = {"scheme": scheme, "algorithm": algorithm if spec.int4_config else None}
-    windows = []
+    windows = searched = []
     if algorithm in CALIBRATED or budget:
         tokens = ALGORITHM_CALIBRATION_TOKENS.get(algorithm, CALIBRATION_TOKENS)
         windows = calibration_windows(tokenizer, max_seq_len, tokens)
-        section["calibration"] = describe_calibration(windows)
+        # AWQ's search and the mixed-precision search read the default count, however many GPTQ reads
+        searches = algorithm in AWQ_ALGORITHMS or budget
+        searched = calibration_windows(tokenizer, max_seq_len) if searches and tokens != CALIBRATION_TOKENS else windows
+        section["calibration"] = describe_calibration(windows, searched)
     args = quant_args(scheme, options.get("group_size"), algorithm, windows)
     started = time.perf_counter()
-    prepare_for_scheme(module, scheme, args)
+    prepare_for_scheme(module, scheme, replace(args, calibration=tuple(searched)))
     seconds["quant_algorithm"] = round(time.perf_counter() - started, 3)
     if budget:
         started = time.perf_counter()
         choice = choose_8bit_units(module, lambda m, units: spec.apply(m, replace(args, units_8bit=units)),
-                                   windows, budget)
+                                   searched, budget)
         seconds["mixed_precision_search"] = round(time.perf_counter() - started, 3)
         section["mixed_precision"] = choice
         args = replace(args, units_8bit=tuple(choice["units_8bit"]))

@@ -260,6 +260,30 @@ def test_calibration_and_evaluation_texts_share_no_32_token_window():
     assert _windows_of_tokens(list(range(50))) & _windows_of_tokens(list(range(10, 80)))
 
 
+def test_gptq_reads_its_own_calibration_tokens_and_the_searches_the_default(tiny_checkpoint):
+    """GPTQ's Hessians need many more tokens than they are wide; AWQ's search and the mixed-precision search,
+    which run the model once per candidate, keep to the default count. The report says which read what."""
+    from models.llama import build_exportable
+    from quant.algorithms import GPTQ_CALIBRATION_TOKENS
+    from quant.calibration import CALIBRATION_TOKENS
+    from quant.quantize import quantize_module
+    from recipes.registry import get_recipe
+
+    def quantize(options):
+        module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict,
+                                  get_recipe("xnnpack-8da4w").export_options(64))
+        return quantize_module(module, "8da4w", options, tiny_checkpoint.tokenizer, 64)
+
+    alone, _ = quantize({"quant_algorithm": "gptq"})
+    assert alone["calibration"]["tokens"] == GPTQ_CALIBRATION_TOKENS and "search_tokens" not in alone["calibration"]
+    section, seconds = quantize({"quant_algorithm": "awq-gptq", "mixed_precision_budget": 0.3})
+    assert section["calibration"]["tokens"] == GPTQ_CALIBRATION_TOKENS > 4 * CALIBRATION_TOKENS
+    assert section["calibration"]["search_tokens"] == CALIBRATION_TOKENS
+    assert "Alice" in section["calibration"]["text"]
+    assert section["mixed_precision"]["measured_on_tokens"] == CALIBRATION_TOKENS
+    assert seconds["quant_algorithm"] > 0 and seconds["mixed_precision_search"] > 0
+
+
 def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_the_budget(random_llama):
     from models.llama import ExportOptions, build_exportable
     from quant.mixed_precision import choose_8bit_units, linear_weight_bytes

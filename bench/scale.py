@@ -1,7 +1,8 @@
 """Phase `scale`: Lowerbench on the shapes people ship (bench/scale_models.py: random bf16 checkpoints with
 the published configs), plus the built-in 135M model, one process at a time: export wall time, the peak RSS
 of each stage (the report's memory section, recipes/rss.py) and of the whole process tree, the .pte's size,
-and prefill/decode tok/s of that .pte on the ExecuTorch runtime (bench/decode.py). optimum-cli exports the
+and prefill/decode tok/s of that .pte on the ExecuTorch runtime, in Lowerbench's step loop (bench/decode.py)
+and in ExecuTorch's own LLM runner (bench/runner.py). optimum-cli exports the
 same checkpoint in turn (A B A B) when bench/setup.sh has built its venv. A shape whose export-only estimate
 (recipes/memory_estimate.py) is over --scale-memory-gb is not run; the reason is recorded.
 
@@ -20,7 +21,8 @@ RECIPE = "xnnpack-8da4w"
 
 def peer_of_engine(engine: str) -> str:
     """The export peer whose .pte a decode engine runs."""
-    return {"lowerbench-pte": f"lowerbench {RECIPE}", "optimum-pte": "optimum"}.get(engine, engine)
+    program = engine.split(" · ")[0]  # the step loop's engine, or the program in the runner (in_runner)
+    return {"lowerbench-pte": f"lowerbench {RECIPE}", "optimum-pte": "optimum"}.get(program, engine)
 
 
 def checkpoint_folder(name: str, cache: Path) -> Path:
@@ -116,6 +118,14 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 decode.append(record)
                 progress(f"scale {shape} {engine} decode run {i}: "
                          f"{(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
+                # the same program in ExecuTorch's own LLM runner, as a device app runs it
+                cmd = [py, "-m", "bench.runner", "--pte", str(pte), "--tokenizer-json", str(folder / "tokenizer.json"),
+                       "--hf", str(folder), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+                record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{engine}-runner-{i}.log", cwd=root)
+                record.update(shape=shape, engine=in_runner(engine), run=i)
+                decode.append(record)
+                progress(f"scale {shape} {in_runner(engine)} run {i}: "
+                         f"{(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
     return {"runs": runs, "decode": decode, "skipped": skipped,
             "settings": {"max_seq_len": 512, "shapes": shapes, "recipes": recipes, "full_job": args.scale_full,
                          "checkpoints": "random bf16 safetensors with the published configs (bench/scale_models.py); "
@@ -159,6 +169,13 @@ def summarize_scale(data: dict) -> dict:
             "ratios": scale_ratios(data)}
 
 
+def in_runner(engine: str) -> str:
+    """The decode record's engine name for a program run in ExecuTorch's LLM runner (bench/runner.py)."""
+    from bench.table import RUNNER
+
+    return f"{engine} · {RUNNER}"
+
+
 def params_of(data: dict, shape: str) -> int | None:
     from bench.scale_models import parameter_count
 
@@ -178,15 +195,16 @@ def scale_ratios(data: dict) -> list[dict]:
         def export_ratio(value):
             return paired_ratio_by_run(exports, f"lowerbench {RECIPE}", "optimum", lambda r: r["peer"], value)
 
-        def decode_ratio(key):
-            return paired_ratio_by_run(runs, "lowerbench-pte", "optimum-pte", lambda r: r["engine"],
+        def decode_ratio(key, loop=lambda engine: engine):
+            return paired_ratio_by_run(runs, loop("lowerbench-pte"), loop("optimum-pte"), lambda r: r["engine"],
                                        lambda r: r["result"].get(key))
 
         row = {"shape": shape, "lowerbench_over_optimum": {
             "export_wall": export_ratio(lambda r: r["wall_s"]),
             "peak_rss": export_ratio(lambda r: r["peak_rss_mb"]),
             "pte_bytes": export_ratio(lambda r: r.get("pte_bytes")),
-            **{key: decode_ratio(key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}}}
+            **{key: decode_ratio(key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")},
+            **{f"runner_{key}": decode_ratio(key, in_runner) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}}}
         if any(v is not None for v in row["lowerbench_over_optimum"].values()):
             ratios.append(row)
     return ratios

@@ -1,5 +1,5 @@
 """bench/scale.py's summary of the scale phase: Lowerbench ÷ optimum-cli per shape, paired within a run."""
-from bench.scale import summarize_scale
+from bench.scale import in_runner, summarize_scale
 from bench.table import scale_table
 
 PEER = "lowerbench xnnpack-8da4w"
@@ -22,7 +22,8 @@ def _data():
             _export("1b", PEER, 1, 400, 4000), _export("1b", "optimum", 1, 800, 8000, pte=1250),
             _export("3b", PEER, 0, 300, 9000), _export("3b", "optimum", 0, 0, 0, returncode=-9)]
     decode = [_decode("1b", "lowerbench-pte", 0, 100, 20), _decode("1b", "optimum-pte", 0, 125, 20),
-              _decode("1b", "lowerbench-pte", 1, 50, 10), _decode("1b", "optimum-pte", 1, 60, 11)]
+              _decode("1b", "lowerbench-pte", 1, 50, 10), _decode("1b", "optimum-pte", 1, 60, 11),
+              _decode("1b", in_runner("lowerbench-pte"), 0, 110, 22), _decode("1b", in_runner("optimum-pte"), 0, 100, 20)]
     return {"meta": {"date": "d", "machine": {"cpu": "c", "cores": 2, "ram_gb": 24}, "runs_requested": 2, "load_average_before": [1],
                      "load_average_after": [1], "note": ""}, "runs": runs, "decode": decode, "skipped": {}}
 
@@ -33,14 +34,17 @@ def test_ratios_pair_the_runs_and_leave_out_a_shape_whose_peer_failed():
     q = ratios[0]["lowerbench_over_optimum"]
     assert (q["export_wall"], q["peak_rss"], q["pte_bytes"]) == (0.5, 0.5, 0.8)
     assert q["decode_tokens_per_s"] == round((1.0 + 10 / 11) / 2, 3)
+    # the same programs in ExecuTorch's LLM runner, paired apart from the step loop
+    assert (q["runner_prefill_tokens_per_s"], q["runner_decode_tokens_per_s"]) == (1.1, 1.1)
 
 
 def test_table_names_the_engine_and_shows_the_ratios():
     data = _data()
     data.update(summarize_scale(data))
     text = "\n".join(scale_table(data))
-    assert "| 1b | lowerbench-pte (executorch-runtime) | 40 |" in text
-    assert "| 1b | 0.50× | 0.50× | 0.80× |" in text
+    assert "| 1b | lowerbench-pte (executorch-runtime step loop) | 40 |" in text
+    assert "| 1b | lowerbench-pte · executorch-llm-runner | 40 |" in text
+    assert "| 1b | 0.50× | 0.50× | 0.80× |" in text and "| 1.10× | 1.10× |" in text
 
 
 def test_a_later_invocation_keeps_the_shapes_it_did_not_measure():
@@ -52,7 +56,7 @@ def test_a_later_invocation_keeps_the_shapes_it_did_not_measure():
     meta = {"date": "later"}
     keep_other_shapes(old, meta, new)
     assert [r["shape"] for r in new["runs"]] == ["1b"] * 4 + ["3b"]
-    assert len(new["decode"]) == 4 and new["skipped"] == {"2b optimum": "no venv"}
+    assert len(new["decode"]) == 6 and new["skipped"] == {"2b optimum": "no venv"}
     assert meta["earlier_meta"]["date"] == "d"
 
 
@@ -66,5 +70,5 @@ def test_a_later_invocation_with_peers_keeps_the_other_peers_of_its_shapes():
     one_b = [r for r in new["runs"] if r["shape"] == "1b"]
     assert [(r["peer"], r["wall_s"]) for r in one_b if r["peer"] == PEER] == [(PEER, 300)]
     assert [r["peer"] for r in one_b].count("optimum") == 2
-    assert sorted(r["engine"] for r in new["decode"]) == ["optimum-pte", "optimum-pte"]
+    assert sorted(r["engine"] for r in new["decode"]) == ["optimum-pte", "optimum-pte", in_runner("optimum-pte")]
     assert new["skipped"] == {}

@@ -513,6 +513,8 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
 
 
 def main() -> None:
+    from bench.front import ALGORITHMS as front_algorithms, MIXED_ALGORITHMS as front_mixed
+
     parser = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median); default 3")
     parser.add_argument("--phases", default="decode,export,scaling")
@@ -545,7 +547,14 @@ def main() -> None:
     parser.add_argument("--front-groups", default="32,128,64,256",
                         help="front phase: group sizes to try, in this order; those that do not divide a "
                         "model's widths are left out")
+    parser.add_argument("--front-algorithms", default=",".join(front_algorithms),
+                        help="front phase: the weight algorithms of the built-in model's jobs")
+    parser.add_argument("--front-mixed", default=",".join(front_mixed),
+                        help="front phase: the algorithms that also get a job with the most sensitive linears at "
+                        "8 bits (group 32, +15 %% bytes per token); empty for none")
     args = parser.parse_args()
+    args.front_algorithms = [x for x in args.front_algorithms.split(",") if x]
+    args.front_mixed = [x for x in args.front_mixed.split(",") if x]
     args.layers = [int(x) for x in args.layers.split(",") if x]
     args.skip = [x for x in args.skip.split(",") if x]
     args.peers = [x for x in args.peers.split(",") if x]

@@ -25,7 +25,9 @@ from bench.measure import median, run_measured
 from bench.scale import RECIPE, checkpoint_folder, lowerbench_cmd
 
 ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
-MIXED_PRECISION = {"algorithm": "hqq", "group_size": 32, "mixed_precision_budget": 0.15}
+# the algorithms that also get a job with the most sensitive linears at 8 bits, at this group and budget
+MIXED_ALGORITHMS = ("hqq", "awq-gptq")
+MIXED_PRECISION = {"group_size": 32, "mixed_precision_budget": 0.15}
 # optimum-cli export executorch --qlinear 8da4w: minmax qparams, group 32 (bench/__main__.py optimum_export_cmd)
 DEFAULT = {"algorithm": "minmax", "group_size": 32, "mixed_precision_budget": 0.0}
 # The app's own sample generation first: ExecuTorch's LLM runner, then the Python step loop on the runtime.
@@ -45,12 +47,15 @@ def fitting_group_sizes(config: dict, candidates) -> list[int]:
     return [g for g in candidates if all(width % g == 0 for width in widths)]
 
 
-def builtin_jobs(groups: list[int]) -> list[dict]:
-    """Every algorithm at every group size and the mixed-precision job; the default and its group neighbours
-    first, so an interrupted invocation (its finished jobs are saved) still has a front to compare."""
-    jobs = [{"algorithm": a, "group_size": g, "mixed_precision_budget": 0.0} for a in ALGORITHMS for g in groups]
-    if MIXED_PRECISION["group_size"] in groups:
-        jobs.insert(2 * len(groups), MIXED_PRECISION)
+def builtin_jobs(groups: list[int], algorithms=ALGORITHMS, mixed=MIXED_ALGORITHMS) -> list[dict]:
+    """Every algorithm at every group size, each followed by its mixed-precision job (for those of `mixed`); the
+    default and its group neighbours first, so an interrupted invocation (its finished jobs are saved) still has
+    a front to compare."""
+    jobs = []
+    for algorithm in algorithms:
+        jobs += [{"algorithm": algorithm, "group_size": g, "mixed_precision_budget": 0.0} for g in groups]
+        if algorithm in mixed and MIXED_PRECISION["group_size"] in groups:
+            jobs.append({"algorithm": algorithm, **MIXED_PRECISION})
     return jobs
 
 
@@ -109,7 +114,7 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
         folder = hf if shape == BUILTIN else checkpoint_folder(shape, Path(args.scale_dir))
         groups = fitting_group_sizes(json.loads((folder / "config.json").read_text()), candidates)
         if shape == BUILTIN:
-            for job in builtin_jobs(groups):
+            for job in builtin_jobs(groups, args.front_algorithms, args.front_mixed):
                 record = run_job(shape, None, job, True, args, tmp, py, root)
                 runs.append(record)
                 row = front_row(record)

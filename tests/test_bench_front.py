@@ -41,14 +41,17 @@ def test_only_group_sizes_that_divide_every_linear_width_are_tried_in_the_given_
     assert fitting_group_sizes({**SMOLLM2_135M, "intermediate_size": 1440}, [32, 64, 128, 256]) == [32]
 
 
-def test_the_built_in_jobs_are_every_algorithm_at_every_fitting_group_plus_one_mixed_precision_job():
+def test_the_built_in_jobs_are_every_algorithm_at_every_fitting_group_plus_the_mixed_precision_jobs():
     jobs = builtin_jobs([32, 64])
-    assert len(jobs) == 13
+    assert len(jobs) == 14
     assert {(j["algorithm"], j["group_size"]) for j in jobs if not j["mixed_precision_budget"]} == {
         (a, g) for a in ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq") for g in (32, 64)}
     assert [(j["algorithm"], j["group_size"], j["mixed_precision_budget"]) for j in jobs][:5] == [
         ("minmax", 32, 0.0), ("minmax", 64, 0.0), ("hqq", 32, 0.0), ("hqq", 64, 0.0), ("hqq", 32, 0.15)]
+    assert jobs[-1] == {"algorithm": "awq-gptq", "group_size": 32, "mixed_precision_budget": 0.15}
     assert all(not j["mixed_precision_budget"] for j in builtin_jobs([64]))
+    assert [(j["algorithm"], j["mixed_precision_budget"]) for j in builtin_jobs([32], ["minmax", "gptq"], ["gptq"])] == [
+        ("minmax", 0.0), ("gptq", 0.0), ("gptq", 0.15)]
 
 
 def test_a_row_beats_the_default_only_when_both_faster_and_closer_to_fp32_on_the_same_engine():
@@ -63,12 +66,15 @@ def test_a_row_beats_the_default_only_when_both_faster_and_closer_to_fp32_on_the
     assert beats_default(_row("hqq", 64, 1.4, 104.0), default, noise=0.03)
 
 
+MIXED = ["model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj", "model.layers.29.mlp.down_proj", "lm_head"]
+
+
 def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_per_algorithm():
     runs = [_run("minmax", 32, _report(70_000_000, 1.5, 100.0)),
             _run("hqq", 32, _report(70_000_000, 1.4, 100.5)),
             _run("hqq", 64, _report(66_000_000, 1.45, 110.0)),
             _run("minmax", 64, _report(67_000_000, 1.8, 108.0)),
-            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, units_8bit=["model.layers.0", "model.layers.29", "lm_head"]), budget=0.15),
+            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, units_8bit=MIXED), budget=0.15),
             _run("minmax", 128, _report(60_000_000, None, None), shape="llama-3.2-1b", full=False)]
     decode = [{"shape": "llama-3.2-1b", "group_size": 128, "engine": "llama-3.2-1b g128", "run": i, "returncode": 0,
                "result": {"decode_tokens_per_s": rate, "prefill_tokens_per_s": 50.0, "new_tokens": 64}}
@@ -82,7 +88,7 @@ def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_pe
     assert data["decode_noise"] == round(110 / 108 - 1, 4)
     assert rows[("smollm2-135m", "hqq g64")]["beats_default"] and not hqq["beats_default"]  # hqq g32: within noise
     assert not rows[("smollm2-135m", "minmax g64")]["beats_default"]
-    assert rows[("smollm2-135m", "hqq g32 +8-bit 15%")]["units_8bit"] == ["model.layers.0", "model.layers.29", "lm_head"]
+    assert rows[("smollm2-135m", "hqq g32 +8-bit 15%")]["units_8bit"] == MIXED
     assert data["same_bytes_across_algorithms"] == {
         "smollm2-135m g32": {"algorithms": ["minmax", "hqq"], "same": True},
         "smollm2-135m g64": {"algorithms": ["hqq", "minmax"], "same": False}}
@@ -92,7 +98,7 @@ def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_pe
     text = "\n".join(front_table(data))
     assert "| smollm2-135m (built-in) | hqq | 64 | – | 66.00 |" in text and text.count("| **yes** |") == 1
     assert f"| llama-3.2-1b (random weights) | minmax | 128 | – | 60.00 | 100.0 | {RANDOM_WEIGHTS} |" in text
-    assert "decoder layers 0, 29 and the output layer, +2.00 MB/token" in text
+    assert "layer 0 v_proj, down_proj; layer 29 down_proj and the output layer, +2.00 MB/token" in text
     assert "2026-01-01" in text and "Some CPU" in text
 
 
@@ -123,5 +129,5 @@ def test_a_mixed_precision_row_of_the_older_layout_names_its_decoder_layers():
     from bench.table import _front_8bit
 
     old = {"layers_8bit": [0, 24], "units_8bit": None, "mixed_precision_budget": 0.15, "extra_bytes_per_token": 3_000_000}
-    assert _front_8bit(old) == "decoder layers 0, 24, +3.00 MB/token"
+    assert _front_8bit(old) == "layer 0 (all linears); layer 24 (all linears), +3.00 MB/token"
     assert _front_8bit({**old, "layers_8bit": None}) == "none fit"

@@ -295,8 +295,11 @@ def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_
     module = build()
     choice = choose_8bit_units(module, quantize, list(calibration), 0.3)
     gain, cost, base = choice["unit_kl_gain"], choice["unit_cost_bytes"], choice["int4_bytes_per_token"]
-    assert list(gain) == ["model.layers.0", "model.layers.1", "lm_head"]
-    assert all(g > 0 for g in gain.values()) and all(c > 0 for c in cost.values())
+    # every linear is a unit of its own, the output layer last
+    linears = [name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(gain) == sorted(linears) and len(linears) > 3 and list(gain)[-1] == "lm_head"
+    # one linear alone at 8 bits can also move the logits away by chance: only a gain is ever kept
+    assert max(gain.values()) > 0 and all(c > 0 for c in cost.values())
 
     def mean_kl(units):
         reference, mixed = build(), build()
@@ -319,7 +322,7 @@ def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_
     assert best in kept
     assert all(choice["extra_bytes_per_token"] + cost[u] > 0.3 * base for u in gain if u not in kept)
     assert mean_kl(tuple(kept))[0] < int4_kl
-    assert choose_8bit_units(module, quantize, list(calibration), 1.0)["units_8bit"] == list(gain)
+    assert choose_8bit_units(module, quantize, list(calibration), 1.0)["units_8bit"] == [u for u in gain if gain[u] > 0]
     assert choose_8bit_units(module, quantize, list(calibration), min(cost.values()) / base / 2)["units_8bit"] == []
 
 

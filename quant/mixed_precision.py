@@ -69,10 +69,52 @@ def _log_probs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[tor
 
 
 @torch.no_grad()
-def _mean_kl(reference: list[torch.Tensor], module: torch.nn.Module, windows: list[torch.Tensor]) -> float:
+def _layer_inputs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], tuple]]:
+    """Per window: the hidden state entering each decoder layer, then the one leaving the last; and the other
+    arguments every layer is called with (rope, positions, mask)."""
+    out = []
+    for tokens in windows:
+        states, shared = [], []
+
+        def grab(layer, args):
+            states.append(args[0])
+            shared[:] = [args[1:]]
+
+        handles = [layer.register_forward_pre_hook(grab) for layer in module.model.layers]
+        handles.append(module.model.norm.register_forward_pre_hook(lambda norm, args: states.append(args[0])))
+        try:
+            module.reset_cache()
+            module(tokens, torch.tensor([0]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        out.append((states, shared[0]))
+    return out
+
+
+@torch.no_grad()
+def _log_probs_from(module: torch.nn.Module, first_layer: int, inputs) -> list[torch.Tensor]:
+    """The module's log-probabilities, run from decoder layer `first_layer` on (the output layer alone past the
+    last) on the hidden states `_layer_inputs` recorded: what comes before a unit does not change with it."""
+    out = []
+    for states, shared in inputs:
+        module.reset_cache()
+        x = states[first_layer]
+        for layer in module.model.layers[first_layer:]:
+            x = layer(x, *shared)
+        out.append(torch.log_softmax(module.lm_head(module.model.norm(x))[0].float(), dim=-1))
+    return out
+
+
+def _mean_kl(reference: list[torch.Tensor], log_probs: list[torch.Tensor]) -> float:
     """Mean over positions of KL(fp32 || module)."""
-    total = sum((ref.exp() * (ref - log_q)).sum().item() for ref, log_q in zip(reference, _log_probs(module, windows)))
+    total = sum((ref.exp() * (ref - log_q)).sum().item() for ref, log_q in zip(reference, log_probs))
     return total / sum(ref.shape[0] for ref in reference)
+
+
+def unit_layer(unit: str, n_layers: int) -> int:
+    """The decoder layer a unit is in; the output layer comes after the last."""
+    return n_layers if unit == OUTPUT_UNIT else int(unit.removeprefix("model.layers.").partition(".")[0])
 
 
 @torch.no_grad()
@@ -87,12 +129,14 @@ def choose_8bit_units(module: torch.nn.Module, quantize: Callable[[torch.nn.Modu
     quantize(trial, ())
     eight = copy.deepcopy(module)
     quantize(eight, tuple(units))
-    int4_kl = _mean_kl(reference, trial, windows)
+    inputs = _layer_inputs(trial, windows)
+    int4_kl = _mean_kl(reference, _log_probs_from(trial, 0, inputs))
     gain, cost = {}, {}
     for unit in units:
         own = trial.get_submodule(unit)
         trial.set_submodule(unit, eight.get_submodule(unit))
-        gain[unit] = int4_kl - _mean_kl(reference, trial, windows)
+        first_layer = unit_layer(unit, len(trial.model.layers))
+        gain[unit] = int4_kl - _mean_kl(reference, _log_probs_from(trial, first_layer, inputs))
         trial.set_submodule(unit, own)
         cost[unit] = linear_weight_bytes(eight, (unit,)) - linear_weight_bytes(trial, (unit,))
     base = linear_weight_bytes(trial)

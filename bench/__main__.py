@@ -552,6 +552,9 @@ def main() -> None:
     parser.add_argument("--front-mixed", default=",".join(front_mixed),
                         help="front phase: the algorithms that also get a job with the most sensitive linears at "
                         "8 bits (group 32, +15 %% bytes per token); empty for none")
+    parser.add_argument("--front-retime", action="store_true",
+                        help="front phase: also time the built-in programs the last front run left on disk (with "
+                        "--front-algorithms '' to time them only)")
     args = parser.parse_args()
     args.front_algorithms = [x for x in args.front_algorithms.split(",") if x]
     args.front_mixed = [x for x in args.front_mixed.split(",") if x]

@@ -2,12 +2,12 @@
 A larger weight group means fewer bf16 scales to read per token, so faster decode, but coarser weights.
 
 On the built-in model (real weights): one full job per weight algorithm (minmax, hqq, awq, spinquant, gptq,
-awq-gptq) and group size that divides the model's linear input widths (from its config), plus hqq at group 32 with the
-most sensitive layers kept at 8 bits within a 15 % byte budget. Each job reports its weight bytes per token,
+awq-gptq) and group size that divides the model's linear input widths (from its config), plus hqq and awq-gptq at
+group 32 with the most sensitive linears kept at 8 bits within a 15 % byte budget. Each job reports its weight bytes per token,
 its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on the
-ExecuTorch runtime), its sample generation's decode speed and engine, and its quantize time; all rows come
-from one invocation, so the speed comparison against optimum-executorch's default (minmax, group 32) sees
-the same machine state and the same engine.
+ExecuTorch runtime) and its quantize time. Then every job's .pte is timed like the random-weight shapes' (below):
+a sample generation is too short to time. All rows come from one invocation, so the speed comparison against
+optimum-executorch's default (minmax, group 32) sees the same machine state and the same engine.
 
 On the shipped shapes (bench/scale_models.py: random bf16 checkpoints with the published configs): one
 export-only job per fitting group size with minmax, then prefill/decode of each .pte on the ExecuTorch
@@ -35,6 +35,7 @@ GENERATION_ENGINES = ("executorch-llm-runner", "executorch-runtime")
 MAX_SEQ_LEN = 512
 BUILTIN = "smollm2-135m"
 RANDOM_WEIGHTS = "not measured: random weights"
+TIMED_ENGINE = "lowerbench-pte (executorch-runtime step loop)"
 
 
 def fitting_group_sizes(config: dict, candidates) -> list[int]:
@@ -121,6 +122,13 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
                 progress(f"front {shape} {job_name(job)}: rc {record['returncode']}, {record['wall_s']} s, "
                          f"ppl ratio {row['perplexity_ratio']}, decode {row['decode_tokens_per_s']} tok/s")
                 save(result)
+            earlier = json.loads((tmp.parent / "front.json").read_text())["runs"] if args.front_retime else []
+            timed = builtin_programs([*earlier, *runs], shape)
+            engines = {f"{shape} {name}": decode_cmd(py, pte, folder, args) for name, pte in timed.items()}
+            for record in run_interleaved("front", engines, args.runs, tmp / "logs"):
+                name = record["engine"].removeprefix(f"{shape} ")
+                decode.append({**record, "shape": shape, "name": name, "group_size": timed_group(name)})
+            save(result)
             continue
         programs = {}
         for group in groups:
@@ -134,9 +142,7 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
             else:
                 skipped[f"{shape} g{group}"] = f"the export failed (see {record['log']})"
             save(result)
-        engines = {f"{shape} g{g}": [py, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), "--hf", str(folder),
-                                     "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-                   for g, pte in programs.items()}
+        engines = {f"{shape} g{g}": decode_cmd(py, pte, folder, args) for g, pte in programs.items()}
         for record in run_interleaved("front", engines, args.runs, tmp / "logs"):
             decode.append({**record, "shape": shape, "group_size": int(record["engine"].rsplit(" g", 1)[1])})
         save(result)
@@ -145,14 +151,37 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
     return result
 
 
+def decode_cmd(py: str, pte: Path, folder: Path, args) -> list[str]:
+    """Prefill/decode of one .pte on the ExecuTorch runtime (bench/decode.py), its tokenizer from `folder`."""
+    return [py, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), "--hf", str(folder),
+            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+
+
+def builtin_programs(runs: list[dict], shape: str) -> dict[str, Path]:
+    """The .pte of each finished full job of `shape` still on disk, by job name (a later run of a job wins): a
+    sample generation is too short to time a program, so each is timed again like the random-weight shapes'."""
+    return {job_name(r): Path(r["pte"]) for r in runs
+            if r["full_job"] and r["shape"] == shape and r["returncode"] == 0 and Path(r["pte"]).is_file()}
+
+
+def timed_group(name: str) -> int:
+    """The group size in a job name, e.g. 32 in "hqq g32 +8-bit 15%"."""
+    return int(name.split(" g", 1)[1].split(" ", 1)[0])
+
+
+def decode_key(record: dict) -> tuple:
+    """A decode record's program: (shape, group) of a random-weight shape, plus the job name on the built-in."""
+    return record["shape"], record["group_size"], record.get("name")
+
+
 def keep_unmeasured(old: dict, meta: dict, result: dict) -> None:
     """Runs of jobs (shape, algorithm, group, budget) and programs (shape, group) this invocation did not measure
     stay, so the front fills in piece by piece. A save earlier in the same invocation (same date) is no
     earlier invocation."""
     measured = {job_key(r) for r in result["runs"]}
-    timed = {(r["shape"], r["group_size"]) for r in result["decode"]}
+    timed = {decode_key(r) for r in result["decode"]}
     kept_runs = [r for r in old.get("runs", []) if job_key(r) not in measured]
-    kept_decode = [r for r in old.get("decode", []) if (r["shape"], r["group_size"]) not in timed]
+    kept_decode = [r for r in old.get("decode", []) if decode_key(r) not in timed]
     if kept_runs or kept_decode:
         result["runs"] = kept_runs + result["runs"]
         result["decode"] = kept_decode + result["decode"]
@@ -211,6 +240,16 @@ def beats_default(row: dict, default: dict | None, noise: float = 0.0) -> bool:
     return speeds[0] > speeds[1] * (1 + noise) and ratios[0] < ratios[1]
 
 
+def timed_decode(row: dict, records: list[dict]) -> dict:
+    """The row's program's median prefill/decode over its timed runs, when it was timed."""
+    timed = [r["result"] for r in records if r["returncode"] == 0 and r["result"]]
+    if not timed:
+        return {}
+    return {"decode_tokens_per_s": median([t["decode_tokens_per_s"] for t in timed]),
+            "prefill_tokens_per_s": median([t["prefill_tokens_per_s"] for t in timed]),
+            "decode_engine": TIMED_ENGINE, "decode_runs": len(timed), "new_tokens": timed[0]["new_tokens"]}
+
+
 def program_rows(data: dict) -> list[dict]:
     """Export-only rows of the random-weight shapes, with their .pte's median prefill/decode over the runs."""
     rows = []
@@ -218,13 +257,10 @@ def program_rows(data: dict) -> list[dict]:
         if record["full_job"]:
             continue
         row = front_row(record)
-        timed = [r["result"] for r in data.get("decode", []) if (r["shape"], r["group_size"]) ==
-                 (row["shape"], row["group_size"]) and r["returncode"] == 0 and r["result"]]
-        row.update(decode_tokens_per_s=median([t["decode_tokens_per_s"] for t in timed]),
-                   prefill_tokens_per_s=median([t["prefill_tokens_per_s"] for t in timed]),
-                   decode_engine="lowerbench-pte (executorch-runtime step loop)" if timed else None,
-                   decode_runs=len(timed), new_tokens=timed[0]["new_tokens"] if timed else None,
-                   perplexity_ratio=None, fidelity_engine=RANDOM_WEIGHTS)
+        timed = [r for r in data.get("decode", []) if decode_key(r) == (row["shape"], row["group_size"], None)]
+        row.update(decode_tokens_per_s=None, prefill_tokens_per_s=None, decode_engine=None, decode_runs=0,
+                   new_tokens=None, perplexity_ratio=None, fidelity_engine=RANDOM_WEIGHTS)
+        row.update(timed_decode(row, timed))
         rows.append(row)
     return rows
 
@@ -258,6 +294,9 @@ def decode_noise(spread: dict[str, list[float]]) -> float:
 
 def summarize_front(data: dict) -> dict:
     builtin = [front_row(r) for r in data["runs"] if r["full_job"]]
+    for row in builtin:
+        row.update(timed_decode(row, [r for r in data.get("decode", [])
+                                      if decode_key(r) == (row["shape"], row["group_size"], row["name"])]))
     defaults = {row["shape"]: row for row in builtin if is_default(row) and row["ok"]}
     spread = same_program_decode_range(builtin)
     noise = decode_noise(spread)

@@ -328,14 +328,15 @@ def versions_table(data: dict) -> list[str]:
 
 
 def _front_meta_lines(data: dict) -> list[str]:
-    runs = data["settings"].get("decode_runs")
-    how = "built-in model: one full job per row, one after another in one invocation" + (
-        f"; random-weight shapes: median of {runs} decode runs per .pte, the programs in turn within each run"
-        if any(not r["full_job"] for r in data["rows"]) else "")
-    lines = [_meta_line(data["meta"], how)]
+    def how(meta: dict) -> str:
+        runs = meta.get("runs_requested")
+        return ("built-in model: one full job per row, one after another in one invocation (fidelity); every .pte: "
+                f"median of {runs} decode runs, the programs in turn within each run")
+
+    lines = [_meta_line(data["meta"], how(data["meta"]))]
     earlier = data["meta"].get("earlier_meta")
     while earlier:
-        lines.append("earlier rows: " + _meta_line(earlier, how))
+        lines.append("earlier rows: " + _meta_line(earlier, how(earlier)))
         earlier = earlier.get("earlier_meta")
     return lines
 
@@ -401,8 +402,9 @@ def front_table(data: dict) -> list[str]:
     lines += ["", "Beats the default on both: decode faster than minmax g32 (optimum-executorch's default, "
                   "`--qlinear 8da4w`, group 32) on the same engine, measured in the same invocation, by more than the "
                   f"largest spread of one program above ({data.get('decode_noise', 0):.1%}), and a lower "
-                  "perplexity ratio against fp32 eager on the evaluation text. Decode tok/s of the built-in rows is the "
-                  "recipe's own sample generation (the fp32 reference left out). Fidelity needs real weights: the "
+                  "perplexity ratio against fp32 eager on the evaluation text. Decode tok/s is each .pte's median over "
+                  "the timed runs (a built-in row not timed shows its own short sample generation, in the runner). "
+                  "Fidelity needs real weights: the "
                   "random-weight shapes show bytes and speed only, timed with minmax, since every algorithm makes the "
                   "same program at one group size."]
     return lines

@@ -131,3 +131,42 @@ def test_a_mixed_precision_row_of_the_older_layout_names_its_decoder_layers():
     old = {"layers_8bit": [0, 24], "units_8bit": None, "mixed_precision_budget": 0.15, "extra_bytes_per_token": 3_000_000}
     assert _front_8bit(old) == "layer 0 (all linears); layer 24 (all linears), +3.00 MB/token"
     assert _front_8bit({**old, "layers_8bit": None}) == "none fit"
+
+
+def test_a_timed_built_in_program_replaces_its_sample_speed_and_decides_which_row_is_faster(tmp_path):
+    """A sample generation is too short to time; each built-in .pte's median over the timed runs stands instead,
+    keyed by its job, and a later timing of one program keeps the others'."""
+    from bench.front import TIMED_ENGINE, builtin_programs, timed_group
+
+    runs = [_run("minmax", 32, _report(70_000_000, 1.5, 300.0)), _run("hqq", 64, _report(66_000_000, 1.4, 90.0)),
+            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, units_8bit=MIXED), budget=0.15)]
+
+    def timed(name, rates):
+        return [{"shape": "smollm2-135m", "name": name, "group_size": timed_group(name), "engine": f"x {name}",
+                 "returncode": 0, "run": i,
+                 "result": {"decode_tokens_per_s": rate, "prefill_tokens_per_s": 900.0, "new_tokens": 64}}
+                for i, rate in enumerate(rates)]
+
+    decode = timed("minmax g32", (200.0, 210.0, 205.0)) + timed("hqq g64", (230.0, 220.0, 226.0))
+    data = {"meta": META, "runs": runs, "decode": decode + timed("hqq g32 +8-bit 15%", (180.0,)), "skipped": {},
+            "settings": {"recipe": "xnnpack-8da4w", "max_seq_len": 512, "threads": 2, "decode_runs": 3}}
+    data.update(summarize_front(data))
+    rows = {r["name"]: r for r in data["rows"]}
+    assert (rows["minmax g32"]["decode_tokens_per_s"], rows["minmax g32"]["decode_runs"]) == (205.0, 3)
+    assert rows["hqq g64"]["decode_engine"] == rows["minmax g32"]["decode_engine"] == TIMED_ENGINE
+    # the sample speeds (300 against 90) would say the opposite
+    assert rows["hqq g64"]["beats_default"]
+    assert rows["hqq g32 +8-bit 15%"]["decode_tokens_per_s"] == 180.0 and not rows["hqq g32 +8-bit 15%"]["beats_default"]
+    assert "median of 3 decode runs" in "\n".join(front_table(data))
+
+    old = {"meta": {"date": "before"}, "skipped": {}, "runs": runs, "decode": decode}
+    new = {"runs": [], "decode": timed("hqq g64", (240.0,)), "skipped": {}, "settings": {}}
+    keep_unmeasured(old, {"date": "later"}, new)
+    assert sorted((r["name"], r["result"]["decode_tokens_per_s"]) for r in new["decode"] if r["name"] == "hqq g64") == [
+        ("hqq g64", 240.0)] and len(new["decode"]) == 4
+
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(b"pte")
+    on_disk = [{**runs[0], "pte": str(pte)}, {**runs[1], "pte": str(tmp_path / "gone.pte")}]
+    assert builtin_programs(on_disk, "smollm2-135m") == {"minmax g32": pte}
+    assert timed_group("hqq g32 +8-bit 15%") == 32

@@ -40,6 +40,12 @@ def model_card(report: dict, chat_template: str | None = None) -> str:
     options = {k: v for k, v in (recipe.get("options") or {}).items() if k != "device_runner"}  # in How to run
     if options:
         lines += ["Recipe options: " + ", ".join(f"`{k}={v}`" for k, v in sorted(options.items())) + ".", ""]
+    mixed = (report.get("quantization") or {}).get("mixed_precision") or {}
+    if mixed.get("units_8bit"):
+        from quant.mixed_precision import describe_units
+
+        lines += [f"Kept at 8 bits (8da8w) by the mixed-precision search, +{mixed['extra_bytes_per_token'] / 1e6:.2f} "
+                  f"MB of weights per token: {describe_units(mixed['units_8bit'])}.", ""]
     lines += how_to_run(report, chat_template)
     if delegation:
         lines += ["## Delegation", "",

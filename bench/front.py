@@ -3,8 +3,8 @@ A larger weight group means fewer bf16 scales to read per token, so faster decod
 
 On the built-in model (real weights): one full job per weight algorithm (minmax, hqq, awq, spinquant, gptq,
 awq-gptq) and group size that divides the model's linear input widths (from its config), plus hqq and awq-gptq at
-group 32 with the most sensitive linears kept at 8 bits within a 15 % byte budget. Each job reports its weight bytes per token,
-its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on the
+group 32 with the most sensitive linears kept at 8 bits within a 15 % byte budget. Each job reports its weight
+bytes per token, its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on the
 ExecuTorch runtime) and its quantize time. Then every job's .pte is timed like the random-weight shapes' (below):
 a sample generation is too short to time. All rows come from one invocation, so the speed comparison against
 optimum-executorch's default (minmax, group 32) sees the same machine state and the same engine.
@@ -122,7 +122,8 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
                 progress(f"front {shape} {job_name(job)}: rc {record['returncode']}, {record['wall_s']} s, "
                          f"ppl ratio {row['perplexity_ratio']}, decode {row['decode_tokens_per_s']} tok/s")
                 save(result)
-            earlier = json.loads((tmp.parent / "front.json").read_text())["runs"] if args.front_retime else []
+            last = tmp.parent / "front.json"
+            earlier = json.loads(last.read_text())["runs"] if args.front_retime and last.is_file() else []
             timed = builtin_programs([*earlier, *runs], shape)
             engines = {f"{shape} {name}": decode_cmd(py, pte, folder, args) for name, pte in timed.items()}
             for record in run_interleaved("front", engines, args.runs, tmp / "logs"):

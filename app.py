@@ -345,8 +345,8 @@ def quant_controls() -> tuple:
                                  "the others ignore it)")
     budget = gr.Number(0, label="Mixed precision byte budget (0 = off)", elem_id="mixed-precision-budget",
                        info="extra weight bytes per token as a fraction: 0.1 (+10 % bytes per token) keeps at 8 "
-                            "bits the linears that bring the logits closest to fp32 per "
-                            f"byte ({', '.join(with_budget)} recipes)")
+                            f"bits the linears that bring the logits closest to fp32 per byte ({', '.join(with_budget)} "
+                            "recipes)")
     layer_map = gr.Checkbox(False, label="Per-layer error map: each decoder layer's SQNR against fp32 (costs a "
                                          "second export and lowering per recipe)", elem_id="layer-map")
     return algorithm, budget, layer_map

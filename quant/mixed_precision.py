@@ -2,8 +2,9 @@
 output layer. Each is scored by what keeping it alone at 8da8w, in the otherwise all-int4 model, takes off the
 model's KL divergence from fp32 on the calibration text; the units that gain the most per extra weight byte per
 token are kept at 8da8w, as many as fit in the budget. A linear, not a whole decoder layer, is the unit because
-the gain is uneven inside a layer: a small value projection can gain as much as an MLP projection of four times
-its bytes.
+the gain is uneven inside a layer: an attention projection can gain as much as an MLP projection of several times
+its bytes. A unit is scored by running only its decoder layer and those after it, on the hidden state the
+all-int4 model recorded entering that layer: nothing before the unit changes with it.
 
 The logits, not the layer outputs, are the measure: a few large residual channels dominate the layer outputs'
 SQNR, and the output layer, whose error reaches the logits directly, has no layer output to score it by."""
@@ -49,7 +50,8 @@ def describe_units(units: list[str]) -> str:
         if unit != OUTPUT_UNIT:
             index, _, linear = unit.removeprefix("model.layers.").partition(".")
             by_layer.setdefault(index, []).append(linear.rpartition(".")[2] or "(all linears)")
-    parts = ["; ".join(f"layer {index} {', '.join(linears)}" for index, linears in by_layer.items())] if by_layer else []
+    parts = ["; ".join(f"layer {index} {', '.join(linears)}" for index, linears in by_layer.items())]
+    parts = parts if by_layer else []
     parts += ["the output layer"] if OUTPUT_UNIT in units else []
     return " and ".join(parts)
 

@@ -30,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="how int4 weights get their qparams: minmax, hqq, awq, spinquant, gptq, awq-gptq (see `list`)")
     run.add_argument("--mixed-precision-budget", type=float, default=None,
                      help="keep at 8da8w the linears (of the decoder layers, and the output layer) that bring "
-                          "the logits closest to fp32 per byte, within this extra fraction of weight bytes per token, e.g. 0.1 for "
-                          "+10 %% (8da4w schemes)")
+                          "the logits closest to fp32 per byte, within this extra fraction of weight bytes per "
+                          "token, e.g. 0.1 for +10 %% (8da4w schemes)")
     run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="a recipe option, e.g. soc=SM8750 or layers_per_shard=2 for the QNN recipes; repeat for "
                           "several (`list` shows each recipe's options)")

@@ -3,11 +3,11 @@ A larger weight group means fewer bf16 scales to read per token, so faster decod
 
 On the built-in model (real weights): one full job per weight algorithm (minmax, hqq, awq, spinquant, gptq,
 awq-gptq) and group size that divides the model's linear input widths (from its config), plus hqq and awq-gptq at
-group 32 with the most sensitive linears kept at 8 bits within a 15 % byte budget. Each job reports its weight
-bytes per token, its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on the
-ExecuTorch runtime) and its quantize time. Then every job's .pte is timed like the random-weight shapes' (below):
-a sample generation is too short to time. All rows come from one invocation, so the speed comparison against
-optimum-executorch's default (minmax, group 32) sees the same machine state and the same engine.
+group 32 with the most sensitive linears kept at 8 bits within a 15 % byte budget. Each job reports its weight bytes
+per token, its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on
+the ExecuTorch runtime) and its quantize time. Then every job's .pte is timed like the random-weight shapes'
+(below): a sample generation is too short to time. All rows come from one invocation, so the speed comparison
+against optimum-executorch's default (minmax, group 32) sees the same machine state and the same engine.
 
 On the shipped shapes (bench/scale_models.py: random bf16 checkpoints with the published configs): one
 export-only job per fitting group size with minmax, then prefill/decode of each .pte on the ExecuTorch
@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from bench.measure import median, run_measured
-from bench.scale import RECIPE, checkpoint_folder, lowerbench_cmd
+from bench.scale import RECIPE, checkpoint_folder, decode_cmd, lowerbench_cmd
 
 ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
 # the algorithms that also get a job with the most sensitive linears at 8 bits, at this group and budget
@@ -125,10 +125,11 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
             last = tmp.parent / "front.json"
             earlier = json.loads(last.read_text())["runs"] if args.front_retime and last.is_file() else []
             timed = builtin_programs([*earlier, *runs], shape)
-            engines = {f"{shape} {name}": decode_cmd(py, pte, folder, args) for name, pte in timed.items()}
+            engines = {f"{shape} {name}": decode_cmd(py, "lowerbench-pte", Path(job["pte"]), folder, args)
+                       for name, job in timed.items()}
             for record in run_interleaved("front", engines, args.runs, tmp / "logs"):
                 name = record["engine"].removeprefix(f"{shape} ")
-                decode.append({**record, "shape": shape, "name": name, "group_size": timed_group(name)})
+                decode.append({**record, "shape": shape, "name": name, "group_size": timed[name]["group_size"]})
             save(result)
             continue
         programs = {}
@@ -143,7 +144,7 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
             else:
                 skipped[f"{shape} g{group}"] = f"the export failed (see {record['log']})"
             save(result)
-        engines = {f"{shape} g{g}": decode_cmd(py, pte, folder, args) for g, pte in programs.items()}
+        engines = {f"{shape} g{g}": decode_cmd(py, "lowerbench-pte", pte, folder, args) for g, pte in programs.items()}
         for record in run_interleaved("front", engines, args.runs, tmp / "logs"):
             decode.append({**record, "shape": shape, "group_size": int(record["engine"].rsplit(" g", 1)[1])})
         save(result)
@@ -152,22 +153,11 @@ def phase_front(args, hf: Path, tmp: Path, py: str, root: Path, run_interleaved,
     return result
 
 
-def decode_cmd(py: str, pte: Path, folder: Path, args) -> list[str]:
-    """Prefill/decode of one .pte on the ExecuTorch runtime (bench/decode.py), its tokenizer from `folder`."""
-    return [py, "-m", "bench.decode", "lowerbench-pte", "--pte", str(pte), "--hf", str(folder),
-            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-
-
-def builtin_programs(runs: list[dict], shape: str) -> dict[str, Path]:
-    """The .pte of each finished full job of `shape` still on disk, by job name (a later run of a job wins): a
+def builtin_programs(runs: list[dict], shape: str) -> dict[str, dict]:
+    """The finished full jobs of `shape` whose .pte is still on disk, by job name (a later run of a job wins): a
     sample generation is too short to time a program, so each is timed again like the random-weight shapes'."""
-    return {job_name(r): Path(r["pte"]) for r in runs
+    return {job_name(r): r for r in runs
             if r["full_job"] and r["shape"] == shape and r["returncode"] == 0 and Path(r["pte"]).is_file()}
-
-
-def timed_group(name: str) -> int:
-    """The group size in a job name, e.g. 32 in "hqq g32 +8-bit 15%"."""
-    return int(name.split(" g", 1)[1].split(" ", 1)[0])
 
 
 def decode_key(record: dict) -> tuple:

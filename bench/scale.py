@@ -17,6 +17,7 @@ from bench.measure import median, paired_ratio_by_run, run_measured
 
 SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
 RECIPE = "xnnpack-8da4w"
+SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 
 
 def peer_of_engine(engine: str) -> str:
@@ -111,16 +112,15 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
         # machine falls on both sides of each ratio.
         for i in range(args.runs):
             for engine, pte in programs.items():
-                cmd = [py, "-m", "bench.decode", engine, "--pte", str(pte), "--hf", str(folder),
-                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-                record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{engine}-decode-{i}.log", cwd=root)
+                record = run_measured(decode_cmd(py, engine, pte, folder, args),
+                                      tmp / "logs" / f"scale-{shape}-{engine}-decode-{i}.log", cwd=root)
                 record.update(shape=shape, engine=engine, run=i)
                 decode.append(record)
                 progress(f"scale {shape} {engine} decode run {i}: "
                          f"{(record['result'] or {}).get('decode_tokens_per_s')} tok/s")
                 # the same program in ExecuTorch's own LLM runner, as a device app runs it
                 cmd = [py, "-m", "bench.runner", "--pte", str(pte), "--tokenizer-json", str(folder / "tokenizer.json"),
-                       "--hf", str(folder), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+                       "--hf", str(folder), *_generation_args(args)]
                 record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{engine}-runner-{i}.log", cwd=root)
                 record.update(shape=shape, engine=in_runner(engine), run=i)
                 decode.append(record)
@@ -169,6 +169,16 @@ def summarize_scale(data: dict) -> dict:
             "ratios": scale_ratios(data)}
 
 
+def _generation_args(args) -> list[str]:
+    return ["--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+
+
+def decode_cmd(py: str, engine: str, pte: Path, folder: Path, args) -> list[str]:
+    """Prefill/decode of one .pte in Lowerbench's step loop on the ExecuTorch runtime (bench/decode.py; engine
+    lowerbench-pte or optimum-pte), its tokenizer from the checkpoint `folder`."""
+    return [py, "-m", "bench.decode", engine, "--pte", str(pte), "--hf", str(folder), *_generation_args(args)]
+
+
 def in_runner(engine: str) -> str:
     """The decode record's engine name for a program run in ExecuTorch's LLM runner (bench/runner.py)."""
     from bench.table import RUNNER
@@ -203,8 +213,8 @@ def scale_ratios(data: dict) -> list[dict]:
             "export_wall": export_ratio(lambda r: r["wall_s"]),
             "peak_rss": export_ratio(lambda r: r["peak_rss_mb"]),
             "pte_bytes": export_ratio(lambda r: r.get("pte_bytes")),
-            **{key: decode_ratio(key) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")},
-            **{f"runner_{key}": decode_ratio(key, in_runner) for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}}}
+            **{key: decode_ratio(key) for key in SPEEDS},
+            **{f"runner_{key}": decode_ratio(key, in_runner) for key in SPEEDS}}}
         if any(v is not None for v in row["lowerbench_over_optimum"].values()):
             ratios.append(row)
     return ratios

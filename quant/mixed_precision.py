@@ -132,7 +132,8 @@ def choose_8bit_units(module: torch.nn.Module, quantize: Callable[[torch.nn.Modu
     eight = copy.deepcopy(module)
     quantize(eight, tuple(units))
     inputs = _layer_inputs(trial, windows)
-    int4_kl = _mean_kl(reference, _log_probs_from(trial, 0, inputs))
+    # the recorded state leaving the last layer: only the output layer runs again
+    int4_kl = _mean_kl(reference, _log_probs_from(trial, len(trial.model.layers), inputs))
     gain, cost = {}, {}
     for unit in units:
         own = trial.get_submodule(unit)

@@ -34,6 +34,7 @@ from pathlib import Path
 from bench.checkpoints import builtin_gguf, hf_folder
 from bench.measure import median, run_measured
 from bench.runner import summarize_runner
+from bench.scale import PEER_ALGORITHM, RECIPE
 from bench import table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ def load_average() -> list[float]:
 def lowerbench_export_cmd(hf: Path, out: Path, export_only: bool = True) -> list[str]:
     """The same checkpoint folder optimum reads. export_only: what optimum-cli does (checkpoint -> .pte);
     without it Lowerbench also generates with the fp32 reference and the .pte and measures fidelity."""
-    return [PY, "-m", "recipes", "run", "--model", str(hf), "--recipe", "xnnpack-8da4w",
+    return [PY, "-m", "recipes", "run", "--model", str(hf), "--recipe", RECIPE, *PEER_ALGORITHM,
             "--max-seq-len", str(MAX_SEQ_LEN), *(["--export-only"] if export_only else []), "--out", str(out)]
 
 

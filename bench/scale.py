@@ -17,6 +17,9 @@ from bench.measure import median, paired_ratio_by_run, run_measured
 
 SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
 RECIPE = "xnnpack-8da4w"
+# optimum-cli's int4 qparams (HQQ scale-only), which RECIPE is exported with here so both tools do the same work
+PEER_QPARAMS = "hqq"
+PEER_ALGORITHM = ("--quant-algorithm", PEER_QPARAMS)
 SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 
 
@@ -80,7 +83,7 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
             for peer, (recipe, full) in peers.items():
                 out = tmp / "scale" / shape / f"{peer.replace(' ', '-')}-{i}"
                 shutil.rmtree(out, ignore_errors=True)
-                cmd = lowerbench_cmd(py, folder, out, recipe, 512, full)
+                cmd = lowerbench_cmd(py, folder, out, recipe, 512, full, PEER_ALGORITHM if recipe == RECIPE else ())
                 record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{peer.replace(' ', '-')}-{i}.log", cwd=root,
                                       timeout_s=args.export_timeout)
                 report = out / "report.json"

@@ -1,5 +1,5 @@
 """Export the first N decoder layers of a Hugging Face folder with Lowerbench's own functions
-(xnnpack-8da4w), in this process; prints one JSON line of stage seconds.
+(xnnpack-8da4w, with optimum-cli's qparams), in this process; prints one JSON line of stage seconds.
 
     python -m bench.scaling --hf FOLDER --layers N [--max-seq-len 512]"""
 from __future__ import annotations
@@ -9,9 +9,10 @@ import json
 import time
 
 from bench.checkpoints import truncated
+from bench.scale import PEER_QPARAMS
 from models.checkpoint import load_folder
 from models.llama import build_exportable
-from quant.schemes import apply_scheme
+from quant.schemes import SCHEMES, apply_scheme
 from recipes.lowering import export_program, lower_for_backend
 from recipes.registry import get_recipe
 
@@ -22,7 +23,9 @@ def export_recipe(config, state: dict, recipe_name: str, max_seq_len: int) -> tu
     timings = {}
     start = time.perf_counter()
     module = build_exportable(config, state, recipe.export_options(max_seq_len))
-    apply_scheme(module, recipe.quantization, recipe.options.get("group_size"))
+    offered = SCHEMES[recipe.quantization].algorithms
+    apply_scheme(module, recipe.quantization, recipe.options.get("group_size"),
+                 PEER_QPARAMS if PEER_QPARAMS in offered else None)
     timings["quantize"] = time.perf_counter() - start
     start = time.perf_counter()
     program = export_program(module, max_seq_len, strict=recipe.backend.strict_export)

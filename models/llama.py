@@ -291,7 +291,15 @@ class LlamaForExport(nn.Module):
             self.register_buffer("causal_mask", causal, persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        seq_len = tokens.shape[1]
+        x = self.model.embed_tokens(tokens)
+        arguments = self.layer_arguments(tokens.shape[1], input_pos, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, *arguments)
+        return self.lm_head(self.model.norm(x))
+
+    def layer_arguments(self, seq_len: int, input_pos: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """What every decoder layer is called with besides the hidden state, for a call of `seq_len` tokens at
+        input_pos: (rope, start_pos, positions, mask), made once per call rather than in every layer."""
         positions = input_pos + torch.arange(seq_len, dtype=torch.long)
         if self.options.attention in ("custom", "sdpa-slice"):
             start_pos = input_pos[0].item()
@@ -307,7 +315,7 @@ class LlamaForExport(nn.Module):
         else:
             start_pos = None
             mask = self.causal_mask.index_select(0, positions)
-        # [1, T, 1, head_dim], made once here rather than in every layer
+        # [1, T, 1, head_dim]
         cos = self.rope_cos.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
         sin = self.rope_sin.index_select(0, positions).view(1, -1, 1, self.shape.head_dim)
         if self.options.fuse_qkv:
@@ -315,13 +323,10 @@ class LlamaForExport(nn.Module):
             cos = cos * self.rope_heads + (1.0 - self.rope_heads)
             sin = sin * self.rope_heads
         rope = (cos, sin, getattr(self, "rope_rotation", None))
-        x = self.model.embed_tokens(tokens)
         if self.options.attention == "sdpa-onehot":
-            # made once here, so the integer ops stay outside the layers the backend takes whole
-            positions = (torch.arange(self.options.max_seq_len)[None, :] == positions[:, None]).to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, start_pos, positions, mask)
-        return self.lm_head(self.model.norm(x))
+            # made here, so the integer ops stay outside the layers the backend takes whole
+            positions = (torch.arange(self.options.max_seq_len)[None, :] == positions[:, None]).to(dtype)
+        return rope, start_pos, positions, mask
 
     def reset_cache(self) -> None:
         for layer in self.model.layers:
@@ -351,13 +356,14 @@ def _read(weights: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) ->
 
 
 def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: ExportOptions,
-                     transform_unit: Callable[[nn.Module], None] | None = None,
+                     transform_unit: Callable[[nn.Module, "LlamaForExport"], None] | None = None,
                      tie_output: bool = False) -> LlamaForExport:
     """A fresh module with the checkpoint's weights in options.dtype, filled one unit (embedding, decoder
-    layer, norm, output layer) at a time: each tensor is read, cast and assigned, then `transform_unit(unit)`
-    runs (a quantization, which replaces the unit's float weights), so at most one unit is ever held in
-    float beyond what the transform keeps. With tied embeddings lm_head gets its own copy, so embedding and
-    output layer can be quantized differently; `tie_output` shares the embedding instead (no transform)."""
+    layer, norm, output layer) at a time: each tensor is read, cast and assigned, then `transform_unit(unit,
+    module)` runs (a quantization, which replaces the unit's float weights; the module's buffers are filled,
+    the units after this one are still on meta), so at most one unit is ever held in float beyond what the
+    transform keeps. With tied embeddings lm_head gets its own copy, so embedding and output layer can be
+    quantized differently; `tie_output` shares the embedding instead (no transform)."""
     if options.attention == "custom":
         # Registers llama::update_cache / llama::custom_sdpa with torch.
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
@@ -398,7 +404,7 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
             owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
             del tensor
         if transform_unit is not None:
-            transform_unit(unit)
+            transform_unit(unit, module)
     if options.weight_dtype not in (None, options.dtype):
         compute_in(module, options.dtype)
     return module.eval()

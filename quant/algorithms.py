@@ -4,9 +4,9 @@ Every algorithm ends in the same torchao tensors (int4 groups with one scale eac
 and its bytes per token are those of `minmax`; only the numbers differ.
   minmax     each group's scale from its absolute maximum (torchao's choose_qparams_affine)
   hqq        HQQ's scale-only optimisation of each group's scale (torchao's HQQ_SCALE_ONLY qparams)
-  awq        activation-aware scales (torchao.prototype.awq's AWQObserver search on the calibration text),
-             folded into the op before each linear so the program gains no op; the scaled weights then take
-             HQQ's group scales
+  awq        activation-aware scales (torchao.prototype.awq's AWQObserver search on the calibration text, one
+             decoder layer at a time: quant/awq.py), folded into the op before each linear so the program gains
+             no op; the scaled weights then take HQQ's group scales
   spinquant  SpinQuant's R1 (residual stream) and R2 (value/output heads) random Hadamard rotations, applied
              with torchao.prototype.spinquant; exact in fp32, they spread outliers across a group
   gptq       GPTQ's column-by-column error compensation against each linear's Hessian on the calibration text
@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
-from torch import nn
+
+from quant.awq import layer_linears
 
 ALGORITHMS: dict[str, str] = {
     "minmax": "scales from each group's min/max",
@@ -46,9 +47,6 @@ UNAVAILABLE: dict[str, str] = {
     "spinquant-r4": "SpinQuant's R4 needs an online Hadamard transform before down_proj, an op the program does not "
                     "have; spinquant applies R1 and R2, which fold into the weights",
 }
-
-AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
-
 
 # Algorithms whose int4 groups end with HQQ's scales. AWQ's scales change which weights matter, not how a
 # group's scale is fitted, so HQQ's fit still helps after them (measured on the built-in model, README).
@@ -127,65 +125,8 @@ def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> No
     )
 
 
-def _layer_linears(layer) -> dict[str, list[nn.Linear]]:
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
-    return {"attention_in": qkv, "mlp_in": [mlp.gate_proj, mlp.up_proj], "mlp_out": [mlp.down_proj]}
-
-
-# Every transform below gives the parameters new tensors (`.data =`) and changes none in place: the module's
-# weights are the loaded checkpoint's own tensors, which the fp32 reference and the other recipes still read.
-
-
-@torch.no_grad()
-def fold_input_scale(owner: nn.Module, linears: list[nn.Linear], scale: torch.Tensor) -> None:
-    """x -> x / scale in the op that makes the linears' input (a norm's weight, or up_proj's rows for
-    down_proj), and W -> W * scale in the linears: the same function, one op fewer than a runtime multiply."""
-    if isinstance(owner, nn.Linear):
-        owner.weight.data = owner.weight / scale[:, None]
-        if owner.bias is not None:
-            owner.bias.data = owner.bias / scale
-    else:
-        owner.weight.data = owner.weight / scale
-    for linear in linears:
-        linear.weight.data = linear.weight * scale[None, :]
-
-
-def scale_owners(module) -> list[tuple[nn.Module, list[nn.Linear]]]:
-    """(op that makes the input, linears reading it) for every input AWQ can scale without a new op. o_proj's
-    input comes out of attention: its channels fold into v_proj only without grouped KV heads, so it is left."""
-    groups = []
-    for layer in module.model.layers:
-        linears = _layer_linears(layer)
-        groups += [(layer.input_layernorm, linears["attention_in"]),
-                   (layer.post_attention_layernorm, linears["mlp_in"]),
-                   (layer.mlp.up_proj, linears["mlp_out"])]
-    return groups
-
-
-@torch.no_grad()
-def apply_awq(module, weight_config, calibration: list[torch.Tensor]) -> None:
-    """torchao's AWQObserver, one per input shared by several linears (their weights concatenated, as AWQ
-    searches one scale per input), fed the calibration text through the fp32 module; the chosen scales fold
-    into the op before. The lm_head (vocab-wide) is left at its min/max scales."""
-    from torchao.prototype.awq.core import AWQObserver
-
-    groups = scale_owners(module)
-    observers = [AWQObserver(torch.cat([l.weight for l in linears]), None, weight_config, AWQ_SCALE_CANDIDATES)
-                 for _owner, linears in groups]
-    hooks = [linears[0].register_forward_pre_hook(lambda m, args, obs=obs: obs(args[0], None))
-             for obs, (_owner, linears) in zip(observers, groups)]
-    try:
-        for tokens in calibration:
-            module.reset_cache()
-            module(tokens, torch.tensor([0]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        module.reset_cache()
-    scales = [obs.calculate_qparams() for obs in observers]
-    for (owner, linears), scale in zip(groups, scales):
-        fold_input_scale(owner, linears, scale.to(torch.float32))
+# The transforms below give the parameters new tensors (`.data =`), as quant/awq.py's do, and change none in
+# place: the module's weights are the loaded checkpoint's own tensors, which other recipes still read.
 
 
 @torch.no_grad()
@@ -193,8 +134,8 @@ def fold_norm_weights(module) -> None:
     """Every RMSNorm's weight into the linears after it, leaving a weightless norm, which R1 commutes with.
     (torchao's own fuse_layernorm_into_linear sets the norms to one without folding, and centres the
     embeddings, a LayerNorm step that changes an RMSNorm model.)"""
-    pairs = [(layer.input_layernorm, _layer_linears(layer)["attention_in"]) for layer in module.model.layers]
-    pairs += [(layer.post_attention_layernorm, _layer_linears(layer)["mlp_in"]) for layer in module.model.layers]
+    pairs = [(layer.input_layernorm, layer_linears(layer)["attention_in"]) for layer in module.model.layers]
+    pairs += [(layer.post_attention_layernorm, layer_linears(layer)["mlp_in"]) for layer in module.model.layers]
     pairs += [(module.model.norm, [module.lm_head])]
     for norm, linears in pairs:
         for linear in linears:
@@ -247,6 +188,8 @@ def prepare_weights(module, algorithm: str, weight_config, calibration: list[tor
     if algorithm in AWQ_ALGORITHMS:
         if not calibration:
             raise ValueError(f"{algorithm} needs calibration windows")
+        from quant.awq import apply_awq
+
         apply_awq(module, weight_config, calibration)
     elif algorithm == "spinquant":
         apply_spinquant(module)

@@ -68,22 +68,66 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
 
 
 def quantizes_by_unit(scheme: str, options: dict) -> bool:
-    """minmax and hqq quantize each weight on its own, so the module can be quantized piece by piece as it is
-    built (one piece in float at a time); AWQ, SpinQuant and mixed precision look at the whole float model."""
+    """minmax and hqq quantize each weight on its own, and AWQ searches a decoder layer from the hidden states
+    entering it, so the module can be quantized piece by piece as it is built (one piece in float at a time);
+    SpinQuant, GPTQ and mixed precision look at the whole float model."""
     spec = SCHEMES[scheme]
     algorithm = options.get("quant_algorithm") or spec.algorithms[0]
     budget = float(options.get("mixed_precision_budget") or 0.0)
     return spec.apply is not None and spec.layerwise and algorithm not in WHOLE_MODEL_ALGORITHMS and not budget
 
 
-WHOLE_MODEL_ALGORITHMS = ("awq", "spinquant", "gptq", "awq-gptq")
+WHOLE_MODEL_ALGORITHMS = ("spinquant", "gptq", "awq-gptq")
 
 
-def unit_quantization_section(module, scheme: str, options: dict) -> dict:
-    """The report section of a module quantized by unit (quantizes_by_unit)."""
-    from quant.mixed_precision import linear_weight_bytes
+def by_unit_awq(scheme: str, options: dict) -> bool:
+    """Whether the scheme quantizes by unit with AWQ's search on each decoder layer (UnitQuantizer)."""
+    algorithm = options.get("quant_algorithm") or SCHEMES[scheme].algorithms[0]
+    return quantizes_by_unit(scheme, options) and algorithm in AWQ_ALGORITHMS
 
-    spec = SCHEMES[scheme]
-    algorithm = options.get("quant_algorithm") or spec.algorithms[0]
-    return {"scheme": scheme, "algorithm": algorithm if spec.int4_config else None,
-            "weight_bytes_per_token": linear_weight_bytes(module)}
+
+class UnitQuantizer:
+    """build_exportable's transform_unit for a recipe that quantizes_by_unit: the algorithm's fp32 transform
+    of the unit (AWQ's scales for a decoder layer, quant.awq.AwqAsBuilt), then the scheme's."""
+
+    def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int):
+        from quant.algorithms import AWQ_SEARCH_QPARAMS
+        from quant.awq import AwqAsBuilt
+
+        spec = SCHEMES[scheme]
+        self.scheme, self.group_size = scheme, options.get("group_size")
+        self.algorithm = options.get("quant_algorithm") or spec.algorithms[0]
+        self.seconds: dict = {}
+        self.calibration = None
+        self.awq = None
+        if by_unit_awq(scheme, options):
+            windows = calibration_windows(tokenizer, max_seq_len)
+            self.calibration = describe_calibration(windows)
+            self.awq = AwqAsBuilt(spec.int4_config(quant_args(scheme, self.group_size).group_size,
+                                                   AWQ_SEARCH_QPARAMS), windows)
+            self.seconds["quant_algorithm"] = 0.0
+
+    def __call__(self, unit, module) -> None:
+        from quant.schemes import apply_scheme_by_rows
+
+        if self.awq is not None:
+            import malloc_policy
+
+            started = time.perf_counter()
+            # the search's candidates come back at the same sizes; what it frees goes back before the next unit,
+            # so the quantized units kept in between do not pin it in the heap
+            with malloc_policy.reusing_large_blocks():
+                self.awq(unit, module)
+            self.seconds["quant_algorithm"] = round(self.seconds["quant_algorithm"] + time.perf_counter() - started, 3)
+        apply_scheme_by_rows(unit, self.scheme, self.group_size, algorithm=self.algorithm)
+
+    def section(self, module) -> dict:
+        """The report section of the module it quantized."""
+        from quant.mixed_precision import linear_weight_bytes
+
+        spec = SCHEMES[self.scheme]
+        section = {"scheme": self.scheme, "algorithm": self.algorithm if spec.int4_config else None}
+        if self.calibration is not None:
+            section["calibration"] = self.calibration
+        section["weight_bytes_per_token"] = linear_weight_bytes(module)
+        return section

@@ -181,13 +181,10 @@ def _fp16(module: nn.Module, args: QuantArgs) -> None:
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
 
 
-# The default first, chosen by measurement on the built-in model (docs/quantization.md): the
-# most faithful within the same program and bytes and the quantize-time allowance. For the dynamic-activation
-# schemes HQQ's scales, since AWQ needs the whole float model where HQQ goes piece by piece; for 16a4w AWQ,
-# since its PT2E quantizer holds the whole float model anyway. Weight-only int4 keeps min/max until measured
-# on the backends that take it.
-INT4_ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
-DYNAMIC_INT4_ALGORITHMS = ("hqq", "minmax", "awq", "spinquant", "gptq", "awq-gptq")
+# The default first, chosen by measurement on the built-in model (docs/quantization.md): the most faithful
+# within the same program and bytes whose quantize time stays within twice minmax's plus a minute. That is AWQ
+# (GPTQ takes minutes), for every int4 scheme.
+INT4_ALGORITHMS = ("awq", "hqq", "minmax", "spinquant", "gptq", "awq-gptq")
 PT2E_INT4_ALGORITHMS = ("awq", "minmax")
 PT2E_INT4_BLOCK = 32
 
@@ -200,7 +197,7 @@ SCHEMES: dict[str, Scheme] = {
             "int8 dynamic activations, int4 group-wise weights on linears; 8-bit embeddings",
             _8da4w,
             default_group_size=32,
-            algorithms=DYNAMIC_INT4_ALGORITHMS,
+            algorithms=INT4_ALGORITHMS,
             mixed_precision=True,
             int4_config=config_8da4w,
             module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 1.0),
@@ -212,7 +209,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight,
                module_bytes=(1.0, 4.0), pte_bytes=(1.0, 4.0)),
         Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32,
-               algorithms=DYNAMIC_INT4_ALGORITHMS, mixed_precision=True, int4_config=config_8da4w,
+               algorithms=INT4_ALGORITHMS, mixed_precision=True, int4_config=config_8da4w,
                module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
                module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
@@ -274,18 +271,23 @@ ROWS_AT_ONCE = 8192
 
 def apply_scheme_by_rows(module: nn.Module, scheme: str, group_size: int | None = None,
                          rows: int = ROWS_AT_ONCE, algorithm: str | None = None) -> None:
-    """apply_scheme, a block of rows at a time when `module` is one large Linear or Embedding. The schemes
-    quantize each row on its own (groups and scales run along a row), so the result is the same tensor:
-    torchao's row-major parts (qdata, scale, zero point) concatenated."""
+    """The scheme's torchao transform on one unit of a module (the algorithm's fp32 transform, if any, is the
+    caller's: quant.quantize.UnitQuantizer), a block of rows at a time when `module` is one large Linear or
+    Embedding. The schemes quantize each row on its own (groups and scales run along a row), so the result is
+    the same tensor: torchao's row-major parts (qdata, scale, zero point) concatenated."""
+    spec = SCHEMES[scheme]
+    if spec.apply is None:
+        return
+    args = quant_args(scheme, group_size, algorithm)
     weight = getattr(module, "weight", None)
     lone = isinstance(module, (nn.Linear, nn.Embedding)) and getattr(module, "bias", None) is None
-    if not lone or weight.shape[0] <= rows or not SCHEMES[scheme].layerwise:
-        apply_scheme(module, scheme, group_size, algorithm)
+    if not lone or weight.shape[0] <= rows or not spec.layerwise:
+        spec.apply(module, args)
         return
     parts = []
     for start in range(0, weight.shape[0], rows):
         piece = _module_like(module, weight.data[start:start + rows])
-        apply_scheme(piece, scheme, group_size, algorithm)
+        spec.apply(piece, args)
         parts.append(piece.weight.data)
     if type(parts[0]) is torch.Tensor:
         if parts[0].dtype == weight.dtype:

@@ -153,6 +153,8 @@ def record_from_report(record: dict, summary: dict, random_weights: bool) -> dic
         "perplexity_ratio": None if random_weights else ratio,
         "fidelity": NEEDS_REAL_WEIGHTS if random_weights else ("measured" if ratio is not None else "not measured"),
         "runtime_note": report.get("runtime_note"),
+        # the int4 algorithm the job ran, the scheme's default included (None: the scheme takes none)
+        "quant_algorithm": report["recipe"]["options"].get("quant_algorithm"),
     }
 
 

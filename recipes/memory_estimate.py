@@ -38,9 +38,16 @@ PROFILE_RATIO = 3.5
 # the tokenizer is read and gives the count (recipes/run.py).
 EVAL_TOKENS_PER_CHAR = 0.3
 PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
-# quantizing with an algorithm that looks at the whole float model (AWQ, SpinQuant, mixed precision;
+# quantizing with an algorithm that looks at the whole float model (SpinQuant, GPTQ, mixed precision;
 # quant/quantize.py): the float module built whole, and the calibration passes' activations and searches, over it.
 WHOLE_MODEL_TRANSIENT = 1.0
+# AWQ piece by piece (quant/awq.py): what its search on a decoder layer holds, in fp32 copies of the linears
+# reading the layer's widest input (gate and up concatenated): torchao's observer concatenates them, and each
+# candidate scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to the peak of
+# an export-only job at Llama-3.2-1B's shape.
+AWQ_SEARCH_COPIES = 15
+# The algorithm a refused job is pointed to when its own needs more: no calibration search, piece by piece.
+LIGHTEST_ALGORITHM = "hqq"
 
 
 @dataclass(frozen=True)
@@ -166,8 +173,9 @@ def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
 def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
               reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
               eval_tokens: list[int] | None = None) -> JobEstimate:
+    from models.llama import LlamaShape
     from quant.calibration import CALIBRATION_TOKENS
-    from quant.quantize import quantizes_by_unit
+    from quant.quantize import by_unit_awq, quantizes_by_unit
     from quant.schemes import SCHEMES
 
     w = _weights(config)
@@ -204,6 +212,11 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         needed_later = key is not None and key in keys[index + 1:]
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
         recipe_options = (options or {}).get(recipe.name, {})
+        if by_unit_awq(recipe.quantization, recipe_options):
+            # beside the module so far: one float decoder layer and its search's copies
+            shape = LlamaShape.from_config(config)
+            widest = shape.hidden * 2 * shape.intermediate
+            quantize = max(quantize, before + module + (w.per_layer + AWQ_SEARCH_COPIES * widest) * 4)
         if scheme.apply is not None and not quantizes_by_unit(recipe.quantization, recipe_options):
             built = w.linears + w.output + w.embedding  # the module's weights, the tied output layer its own copy
             float_module = built * torch.finfo(scheme.module_dtype).bits // 8
@@ -278,11 +291,16 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
         alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget, options, eval_tokens).peak_rss_bytes
                  for r in recipes}
         choices.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
-    if options and any(options.values()):
-        by_unit = estimate_job(config, recipes, max_seq_len, generate, budget, eval_tokens=eval_tokens)
-        if by_unit.peak_rss_bytes < estimate.peak_rss_bytes:
-            choices.append("each scheme's default algorithm without a mixed-precision budget, which quantizes "
-                           f"piece by piece ({by_unit.peak_rss_bytes / GB:.1f} GB)")
+    from quant.schemes import SCHEMES
+
+    lightest = {r.name: {"quant_algorithm": LIGHTEST_ALGORITHM} for r in recipes
+                if LIGHTEST_ALGORITHM in SCHEMES[r.quantization].algorithms}
+    if lightest:
+        lighter = estimate_job(config, recipes, max_seq_len, generate, budget, lightest, eval_tokens)
+        if lighter.peak_rss_bytes < estimate.peak_rss_bytes:
+            choices.append(f"{LIGHTEST_ALGORITHM} qparams without a mixed-precision budget (--quant-algorithm "
+                           f"{LIGHTEST_ALGORITHM}), which quantize piece by piece with no calibration search "
+                           f"({lighter.peak_rss_bytes / GB:.1f} GB)")
     if max_seq_len > 256:
         shorter = estimate_job(config, recipes, 256, generate, budget, options, eval_tokens)
         choices.append(f"a smaller max context (--max-seq-len 256: {shorter.peak_rss_bytes / GB:.1f} GB)")

@@ -22,7 +22,7 @@ from errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.layer_error import eager_layer_outputs
-from quant.schemes import SCHEMES, apply_scheme_by_rows
+from quant.schemes import SCHEMES
 from recipes import fidelity
 from recipes import generate as gen
 from recipes import llm_runner, memory_estimate, rss
@@ -290,7 +290,7 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
     """Quantized module (for eager generation) and ExportedProgram (for lowering), shared by every
     recipe that needs the same scheme, options and module shape."""
     from quant.calibration import calibration_inputs
-    from quant.quantize import quantize_module, quantizes_by_unit, unit_quantization_section
+    from quant.quantize import UnitQuantizer, quantize_module, quantizes_by_unit
     from quant.schemes import SCHEMES
 
     options = recipe_options(recipe, request)
@@ -308,12 +308,9 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         return module, program, quantization
     started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}, reading its weights")
     if quantizes_by_unit(recipe.quantization, options):
-        algorithm = options.get("quant_algorithm")
-        module = build_exportable(
-            checkpoint.config, checkpoint.state_dict, export_options,
-            transform_unit=lambda unit: apply_scheme_by_rows(unit, recipe.quantization, options.get("group_size"),
-                                                             algorithm=algorithm))
-        quantization, seconds = unit_quantization_section(module, recipe.quantization, options), {}
+        quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, request.max_seq_len)
+        module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options, transform_unit=quantizer)
+        quantization, seconds = quantizer.section(module), quantizer.seconds
     else:
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
         with malloc_policy.reusing_large_blocks():  # AWQ's and mixed precision's passes over the calibration text

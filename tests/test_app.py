@@ -124,7 +124,7 @@ def test_an_algorithm_the_recipe_does_not_offer_is_refused_as_on_the_cli(app, ti
     before = set(app["jobs"].iterdir())
     with pytest.raises(Exception) as info:
         lower(client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-8da4w"], options={"quant_algorithm": "spinquant-r4"}))
-    assert re.search(r"quant algorithm 'spinquant-r4' is not offered for 8da4w \(.*online Hadamard.*\); choose one of: hqq, minmax",
+    assert re.search(r"quant algorithm 'spinquant-r4' is not offered for 8da4w \(.*online Hadamard.*\); choose one of: awq, hqq, minmax",
                      str(info.value))
     assert set(app["jobs"].iterdir()) == before
 

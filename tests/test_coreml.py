@@ -118,6 +118,8 @@ def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside
                              max_new_tokens=3, prompt="what is the capital ?"))
     report = summary["recipes"][0]
     assert report["errors"] == []
+    # the default algorithm: AWQ's scales, searched as the module was built
+    assert report["quantization"]["algorithm"] == "awq" and report["quantization"]["calibration"]["tokens"] > 0
     assert (tmp_path / "model.pte").stat().st_size == report["pte"]["bytes"]
     delegation = report["delegation"]
     ops = {o["op"]: o for o in delegation["ops"]}

@@ -103,7 +103,7 @@ def test_broken_scheme_shows_degraded_figures():
         figures = fidelity.compare_step(step(quantize), ids, 128, reference, targets)
         return fidelity.fidelity_report("eager-quantized", "8da4w", figures, len(targets))
 
-    good = report(lambda m: apply_scheme(m, "8da4w", 32))
+    good = report(lambda m: apply_scheme(m, "8da4w", 32, "hqq"))
     broken = report(lambda m: quantize_(m, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(1024)),
                                         filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear)))
     assert good["meets_target"] is True

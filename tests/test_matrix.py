@@ -65,6 +65,7 @@ def test_matrix_of_two_models_by_two_recipes_writes_four_cells(first_matrix):
         assert cell["delegated_percent"] > 50 and cell["pte_mb"] > 0 and cell["peak_rss_mb"] > 0
         assert cell["fidelity"] == "needs real weights" and cell["perplexity_ratio"] is None
         assert cell["versions"]["executorch"] and cell["cpu"] and cell["date"]
+        assert cell["quant_algorithm"] is None  # fp32 takes no int4 algorithm
     assert (out / "README.md").read_text().count("| test/tiny-") == 2
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -69,14 +69,21 @@ def live_float_bytes() -> int:
     return sum(storages.values())
 
 
-def test_build_holds_at_most_one_unit_in_float_while_quantizing(bf16_llama_dir):
+@pytest.mark.parametrize("algorithm", ["hqq", "awq"])
+def test_build_holds_at_most_one_unit_in_float_while_quantizing(bf16_llama_dir, algorithm):
+    """AWQ adds the calibration text's hidden states, carried from one decoder layer to the next, and the rope
+    tables of its windows' (at most two) lengths."""
+    from quant.calibration import CALIBRATION_TOKENS
+    from quant.quantize import UnitQuantizer
+
     checkpoint = load_checkpoint(str(bf16_llama_dir))
+    quantizer = UnitQuantizer("8da4w", {"quant_algorithm": algorithm, "group_size": 32}, checkpoint.tokenizer, 32)
     before = live_float_bytes()
     float_while_building = []
 
-    def quantize(unit):
+    def quantize(unit, module):
         float_while_building.append(live_float_bytes() - before)
-        apply_scheme(unit, "8da4w", 32)
+        quantizer(unit, module)
 
     module = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(32, attention="custom"),
                               transform_unit=quantize)
@@ -86,7 +93,9 @@ def test_build_holds_at_most_one_unit_in_float_while_quantizing(bf16_llama_dir):
     largest_unit = max(sum(p.numel() for p in u.parameters()) for u in units) * 4
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())  # caches, rope tables, norm constants
     scales = largest_unit // 4  # fp32 group scales of the units quantized so far (5 bytes per 32 weights)
-    assert max(float_while_building) <= largest_unit + scales + buffers
+    head_dim = checkpoint.config.hidden_size // checkpoint.config.num_attention_heads
+    states = (CALIBRATION_TOKENS * checkpoint.config.hidden_size + 2 * 2 * 32 * head_dim) * 4 if algorithm == "awq" else 0
+    assert max(float_while_building) <= largest_unit + scales + buffers + states
     whole_model = sum(torch.Size(checkpoint.state_dict.shape(k)).numel() for k in checkpoint.state_dict) * 4
     assert largest_unit + scales + buffers < whole_model
     # every linear and the embedding quantized; only the norms stay float
@@ -104,7 +113,7 @@ def test_fp16_recipe_builds_its_module_in_fp16_equal_to_the_cast_fp32_one(bf16_l
     before = live_float_bytes()
     seen = []
     module = build_exportable(checkpoint.config, checkpoint.state_dict, options,
-                              transform_unit=lambda unit: (seen.append(live_float_bytes() - before),
+                              transform_unit=lambda unit, module: (seen.append(live_float_bytes() - before),
                                                            apply_scheme(unit, "fp16")))
     fp16_model = sum(p.numel() * 2 for p in module.parameters())
     assert max(seen) <= fp16_model + sum(b.numel() * b.element_size() for b in module.buffers())
@@ -218,8 +227,9 @@ def test_the_estimate_keeps_a_row_of_logits_for_every_token_of_the_evaluation_te
 
 
 def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_where_it_does_not_fit(monkeypatch):
-    """AWQ and mixed precision build the whole float model before quantizing (quant/quantize.py), HQQ one piece at
-    a time: at Llama-3.2-1B's shape that is gigabytes the estimate must count before the job starts."""
+    """GPTQ and mixed precision build the whole float model before quantizing (quant/quantize.py); HQQ, and AWQ
+    with its search on each decoder layer as it is built, one piece at a time: at Llama-3.2-1B's shape that is
+    gigabytes the estimate must count before the job starts."""
     from bench.scale_models import CONFIGS
     from recipes.memory_estimate import LIMIT_ENV, check_job_fits, parameter_count
     from transformers import LlamaConfig
@@ -228,18 +238,20 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
     recipe = get_recipe("xnnpack-8da4w")
     by_unit = estimate_job(config, [recipe], 256, False, options={recipe.name: {"quant_algorithm": "hqq"}})
     awq = estimate_job(config, [recipe], 256, False, options={recipe.name: {"quant_algorithm": "awq"}})
+    gptq = estimate_job(config, [recipe], 256, False, options={recipe.name: {"quant_algorithm": "gptq"}})
     mixed = estimate_job(config, [recipe], 256, False,
                          options={recipe.name: {"quant_algorithm": "hqq", "mixed_precision_budget": 0.1}})
-    assert awq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] > 4 * parameter_count(config)
-    assert mixed.peak_rss_bytes > awq.peak_rss_bytes > by_unit.peak_rss_bytes
-    assert awq.recipes[0].stages["lower"] == by_unit.recipes[0].stages["lower"]
+    assert gptq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] > 4 * parameter_count(config)
+    assert mixed.peak_rss_bytes > gptq.peak_rss_bytes > awq.peak_rss_bytes >= by_unit.peak_rss_bytes
+    assert awq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] < parameter_count(config)
+    assert gptq.recipes[0].stages["lower"] == by_unit.recipes[0].stages["lower"]
 
-    monkeypatch.setenv(LIMIT_ENV, str((by_unit.peak_rss_bytes + awq.peak_rss_bytes) / 2 / 1e9))
-    check_job_fits(config, [recipe], 256, False, {recipe.name: {"quant_algorithm": "hqq"}})
+    monkeypatch.setenv(LIMIT_ENV, str((awq.peak_rss_bytes + gptq.peak_rss_bytes) / 2 / 1e9))
+    check_job_fits(config, [recipe], 256, False, {recipe.name: {"quant_algorithm": "awq"}})
     with pytest.raises(UserFacingError, match="GB of memory at its peak") as info:
-        check_job_fits(config, [recipe], 256, False, {recipe.name: {"quant_algorithm": "awq"}})
-    assert f"each scheme's default algorithm without a mixed-precision budget, which quantizes piece by piece " \
-           f"({by_unit.peak_rss_bytes / 1e9:.1f} GB)" in str(info.value)
+        check_job_fits(config, [recipe], 256, False, {recipe.name: {"quant_algorithm": "gptq"}})
+    assert "hqq qparams without a mixed-precision budget (--quant-algorithm hqq), which quantize piece by piece " \
+           f"with no calibration search ({by_unit.peak_rss_bytes / 1e9:.1f} GB)" in str(info.value)
 
 
 def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
@@ -274,8 +286,9 @@ def test_quantizing_by_rows_gives_the_same_tensors_as_at_once(scheme):
     for make in (lambda: torch.nn.Linear(64, 100, bias=False), lambda: torch.nn.Embedding(100, 64)):
         whole, by_rows = make(), make()
         by_rows.load_state_dict(whole.state_dict())
-        apply_scheme(whole, scheme, 32)
-        apply_scheme_by_rows(by_rows, scheme, 32, rows=16)
+        algorithm = None if scheme == "8da8w" else "hqq"  # the int4 schemes' default, AWQ, reads calibration text
+        apply_scheme(whole, scheme, 32, algorithm)
+        apply_scheme_by_rows(by_rows, scheme, 32, rows=16, algorithm=algorithm)
 
         expected, got = whole.weight.data, by_rows.weight.data
         assert type(got) is type(expected)
@@ -342,7 +355,7 @@ def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint
     recipe = get_recipe("xnnpack-8da4w")
     options = recipe.export_options(64)
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
-    apply_scheme(module, recipe.quantization)
+    apply_scheme(module, recipe.quantization, algorithm="hqq")
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
     lowered = lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte", consume_program=True)
     assert lowered.delegation["delegated_subgraphs"] > 1

@@ -36,12 +36,16 @@ def _check_weight(layer, expected):
     assert (weight.activation_quantization is not None) == dynamic
 
 
+# An algorithm for the schemes whose default reads the calibration text, which these tests do not pass.
+UNCALIBRATED = {"8da4w": "hqq", "8da4w-emb4": "hqq", "int4-weight": "hqq"}
+
+
 @pytest.mark.parametrize("scheme", sorted(EXPECTED))
 def test_scheme_makes_torchao_subclasses(tiny_checkpoint, scheme):
     from quant.schemes import apply_scheme
 
     module = _tiny_module(tiny_checkpoint)
-    apply_scheme(module, scheme)
+    apply_scheme(module, scheme, algorithm=UNCALIBRATED.get(scheme))
     linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 2 * 7 + 1
     for layer in linears:

@@ -221,7 +221,7 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
 def test_unavailable_algorithm_is_refused_with_the_reason():
     from quant.quantize import check_options
 
-    with pytest.raises(UserFacingError, match="spinquant-r4.*online Hadamard.*choose one of: hqq, minmax, awq, spinquant, "
+    with pytest.raises(UserFacingError, match="spinquant-r4.*online Hadamard.*choose one of: awq, hqq, minmax, spinquant, "
                                               "gptq, awq-gptq"):
         check_options("8da4w", {"quant_algorithm": "spinquant-r4"})
     with pytest.raises(UserFacingError, match=r"gptq' is not offered for 16a4w \(.*GPTQ chooses the integers itself"):
@@ -284,6 +284,36 @@ def test_gptq_reads_its_own_calibration_tokens_and_the_searches_the_default(tiny
     assert seconds["quant_algorithm"] > 0 and seconds["mixed_precision_search"] > 0
 
 
+def test_awq_quantized_piece_by_piece_as_it_is_built_is_the_whole_float_modules_awq(tiny_checkpoint):
+    """AWQ searches each decoder layer from the hidden states entering it, so the module built and quantized one
+    piece at a time (one float piece held at once) is exactly the one AWQ quantizes whole."""
+    from models.llama import build_exportable
+    from quant.quantize import UnitQuantizer, quantize_module, quantizes_by_unit
+    from recipes.registry import get_recipe
+
+    options = {"quant_algorithm": "awq"}
+    assert quantizes_by_unit("8da4w", options)
+    export_options = get_recipe("xnnpack-8da4w").export_options(64)
+    quantizer = UnitQuantizer("8da4w", options, tiny_checkpoint.tokenizer, 64)
+    by_unit = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, export_options,
+                               transform_unit=quantizer)
+    whole = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, export_options)
+    section, seconds = quantize_module(whole, "8da4w", options, tiny_checkpoint.tokenizer, 64)
+    assert quantizer.section(by_unit) == section and "Alice" in section["calibration"]["text"]
+    assert quantizer.seconds["quant_algorithm"] > 0 and seconds["quant_algorithm"] > 0
+
+    def values(tensor):
+        return tensor.dequantize() if hasattr(tensor, "dequantize") else tensor
+
+    by_unit_state, whole_state = by_unit.state_dict(), whole.state_dict()
+    assert list(by_unit_state) == list(whole_state)
+    for name, tensor in by_unit_state.items():
+        assert torch.equal(values(tensor), values(whole_state[name])), name
+    # AWQ's scales were folded: the norms before the linears are no longer the checkpoint's
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(by_unit_state[norm], tiny_checkpoint.state_dict[norm].to(torch.float32))
+
+
 def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_the_budget(random_llama):
     from models.llama import ExportOptions, build_exportable
     from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
@@ -291,7 +321,7 @@ def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_
 
     config, state_dict, tokens, calibration = random_llama
     build = lambda: build_exportable(config, state_dict, ExportOptions(64, **FUSED))  # noqa: E731
-    quantize = lambda m, units: apply_scheme(m, "8da4w", 32, units_8bit=units)  # noqa: E731
+    quantize = lambda m, units: apply_scheme(m, "8da4w", 32, "hqq", units_8bit=units)  # noqa: E731
     module = build()
     choice = choose_8bit_units(module, quantize, list(calibration), 0.3)
     gain, cost, base = choice["unit_kl_gain"], choice["unit_cost_bytes"], choice["int4_bytes_per_token"]

@@ -80,12 +80,14 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert report["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
     assert report["pte"]["bytes"] == len(pte)
     assert report["recipe"] == {"name": "xnnpack-8da4w", "backend": "xnnpack", "quantization": "8da4w",
-                                "options": {"group_size": 32, "quant_algorithm": "hqq",
+                                "options": {"group_size": 32, "quant_algorithm": "awq",
                                             "mixed_precision_budget": 0.0}, "max_seq_len": 64,
                                 "runs_on": "any CPU with the ExecuTorch runtime: Linux, macOS, Windows, Android, iOS"}
     assert report["model"]["source"] == "local-folder" and report["model"]["architecture"] == "LlamaForCausalLM"
     assert set(report["versions"]) >= {"torch", "executorch", "torchao", "transformers"}
     assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}
+    # the default algorithm, AWQ, searched each decoder layer on the calibration text as the module was built
+    assert report["quantization"]["calibration"]["tokens"] == 512 and report["timings_s"]["quant_algorithm"] > 0
     import thread_policy
 
     assert report["threads"] == {"openmp_default": "1", "openmp_default_set_by": "lowerbench",

@@ -107,7 +107,7 @@ for mode in sys.argv[1:]:
         context = lambda: xnnpack_patches.patched(reorder_partitions=False)
     options = ExportOptions(max_seq_len=64, attention=BACKEND.attention, norm=BACKEND.norm, fuse_qkv=BACKEND.fuse_qkv)
     module = build_exportable(config, weights, options)
-    apply_scheme(module, "8da4w")
+    apply_scheme(module, "8da4w", algorithm="hqq")
     program = lowering.export_program(module, 64, strict=BACKEND.strict_export)
     lowered = lowering.lower_to_pte(program, xnnpack_partitioners({}), lowering_context=context)
     print(mode, "PTE", hashlib.sha256(lowered.pte).hexdigest())

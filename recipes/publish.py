@@ -40,7 +40,12 @@ def model_card(report: dict, chat_template: str | None = None) -> str:
     options = {k: v for k, v in (recipe.get("options") or {}).items() if k != "device_runner"}  # in How to run
     if options:
         lines += ["Recipe options: " + ", ".join(f"`{k}={v}`" for k, v in sorted(options.items())) + ".", ""]
-    mixed = (report.get("quantization") or {}).get("mixed_precision") or {}
+    quantization = report.get("quantization") or {}
+    calibration = quantization.get("calibration") or {}
+    if calibration:  # a calibrated algorithm's numbers depend on what it read
+        lines += [f"Quantization algorithm `{quantization.get('algorithm')}`, calibrated on {calibration['tokens']} tokens "
+                  f"of {calibration['text']}.", ""]
+    mixed = quantization.get("mixed_precision") or {}
     if mixed.get("units_8bit"):
         from quant.mixed_precision import describe_units
 

@@ -274,7 +274,10 @@ def test_model_card_describes_the_recipe(tiny_fp32_run):
     assert report["pte"]["sha256"] in card
     assert "TextLLMRunner(\"model.pte\", \"tokenizer.json\")" in card and "llama_main --model_path=model.pte" in card
     assert "adb push tokenizer.json" in card and "etLLM" in card and "get_max_seq_len" in card
-    assert "Kept at 8 bits" not in card
+    assert "Kept at 8 bits" not in card and "calibrated on" not in card
+    calibration = {"text": "quant/calibration_text.txt (Alice)", "tokens": 512}
+    card = model_card({**report, "quantization": {"algorithm": "awq", "calibration": calibration}})
+    assert "Quantization algorithm `awq`, calibrated on 512 tokens of quant/calibration_text.txt (Alice)." in card
     mixed = {"units_8bit": ["model.layers.1.mlp.down_proj", "lm_head"], "extra_bytes_per_token": 1_500_000}
     card = model_card({**report, "quantization": {**(report.get("quantization") or {}), "mixed_precision": mixed}})
     assert "+1.50 MB of weights per token: layer 1 down_proj and the output layer." in card

@@ -73,24 +73,17 @@ def _log_probs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[tor
 @torch.no_grad()
 def _layer_inputs(module: torch.nn.Module, windows: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], tuple]]:
     """Per window: the hidden state entering each decoder layer, then the one leaving the last; and the other
-    arguments every layer is called with (rope, positions, mask)."""
+    arguments every layer is called with (rope, positions, mask): the module's forward, layer by layer."""
     out = []
     for tokens in windows:
-        states, shared = [], []
-
-        def grab(layer, args):
-            states.append(args[0])
-            shared[:] = [args[1:]]
-
-        handles = [layer.register_forward_pre_hook(grab) for layer in module.model.layers]
-        handles.append(module.model.norm.register_forward_pre_hook(lambda norm, args: states.append(args[0])))
-        try:
-            module.reset_cache()
-            module(tokens, torch.tensor([0]))
-        finally:
-            for handle in handles:
-                handle.remove()
-        out.append((states, shared[0]))
+        module.reset_cache()
+        x = module.model.embed_tokens(tokens)
+        arguments = module.layer_arguments(tokens.shape[1], torch.tensor([0]), x.dtype)
+        states = [x]
+        for layer in module.model.layers:
+            x = layer(x, *arguments)
+            states.append(x)
+        out.append((states, arguments))
     return out
 
 

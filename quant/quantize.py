@@ -6,7 +6,7 @@ import time
 
 from quant.algorithms import ALGORITHM_CALIBRATION_TOKENS, AWQ_ALGORITHMS, CALIBRATED
 from quant.calibration import CALIBRATION_TOKENS, calibration_windows, describe_calibration
-from quant.schemes import SCHEMES, prepare_for_scheme, quant_args
+from quant.schemes import SCHEMES, awq_search_config, prepare_for_scheme, quant_args
 
 
 def check_options(scheme: str, options: dict) -> None:
@@ -28,6 +28,11 @@ def check_options(scheme: str, options: dict) -> None:
         )
 
 
+def recipe_algorithm(scheme: str, options: dict) -> str:
+    """The int4 algorithm a recipe's options ask for, the scheme's default when they name none."""
+    return quant_args(scheme, algorithm=options.get("quant_algorithm")).algorithm
+
+
 def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: int) -> tuple[dict, dict]:
     """In place. Returns (report section, seconds by part)."""
     from dataclasses import replace
@@ -35,7 +40,7 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
 
     spec = SCHEMES[scheme]
-    algorithm = options.get("quant_algorithm") or spec.algorithms[0]
+    algorithm = recipe_algorithm(scheme, options)
     budget = float(options.get("mixed_precision_budget") or 0.0)
     seconds: dict = {}
     section: dict = {"scheme": scheme, "algorithm": algorithm if spec.int4_config else None}
@@ -72,8 +77,8 @@ def quantizes_by_unit(scheme: str, options: dict) -> bool:
     entering it, so the module can be quantized piece by piece as it is built (one piece in float at a time);
     SpinQuant, GPTQ and mixed precision look at the whole float model."""
     spec = SCHEMES[scheme]
-    algorithm = options.get("quant_algorithm") or spec.algorithms[0]
     budget = float(options.get("mixed_precision_budget") or 0.0)
+    algorithm = recipe_algorithm(scheme, options)
     return spec.apply is not None and spec.layerwise and algorithm not in WHOLE_MODEL_ALGORITHMS and not budget
 
 
@@ -82,8 +87,7 @@ WHOLE_MODEL_ALGORITHMS = ("spinquant", "gptq", "awq-gptq")
 
 def by_unit_awq(scheme: str, options: dict) -> bool:
     """Whether the scheme quantizes by unit with AWQ's search on each decoder layer (UnitQuantizer)."""
-    algorithm = options.get("quant_algorithm") or SCHEMES[scheme].algorithms[0]
-    return quantizes_by_unit(scheme, options) and algorithm in AWQ_ALGORITHMS
+    return quantizes_by_unit(scheme, options) and recipe_algorithm(scheme, options) in AWQ_ALGORITHMS
 
 
 class UnitQuantizer:
@@ -91,21 +95,17 @@ class UnitQuantizer:
     of the unit (AWQ's scales for a decoder layer, quant.awq.AwqAsBuilt), then the scheme's."""
 
     def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int):
-        from quant.algorithms import AWQ_SEARCH_QPARAMS
         from quant.awq import AwqAsBuilt
 
-        spec = SCHEMES[scheme]
         self.scheme, self.group_size = scheme, options.get("group_size")
-        self.algorithm = options.get("quant_algorithm") or spec.algorithms[0]
-        self.seconds: dict = {}
+        self.algorithm = recipe_algorithm(scheme, options)
         self.calibration = None
         self.awq = None
+        self._awq_seconds = 0.0
         if by_unit_awq(scheme, options):
             windows = calibration_windows(tokenizer, max_seq_len)
             self.calibration = describe_calibration(windows)
-            self.awq = AwqAsBuilt(spec.int4_config(quant_args(scheme, self.group_size).group_size,
-                                                   AWQ_SEARCH_QPARAMS), windows)
-            self.seconds["quant_algorithm"] = 0.0
+            self.awq = AwqAsBuilt(awq_search_config(scheme, self.group_size), windows)
 
     def __call__(self, unit, module) -> None:
         from quant.schemes import apply_scheme_by_rows
@@ -118,8 +118,13 @@ class UnitQuantizer:
             # so the quantized units kept in between do not pin it in the heap
             with malloc_policy.reusing_large_blocks():
                 self.awq(unit, module)
-            self.seconds["quant_algorithm"] = round(self.seconds["quant_algorithm"] + time.perf_counter() - started, 3)
+            self._awq_seconds += time.perf_counter() - started
         apply_scheme_by_rows(unit, self.scheme, self.group_size, algorithm=self.algorithm)
+
+    @property
+    def seconds(self) -> dict:
+        """Seconds by part, as quantize_module returns them: the time AWQ's search added."""
+        return {"quant_algorithm": round(self._awq_seconds, 3)} if self.awq is not None else {}
 
     def section(self, module) -> dict:
         """The report section of the module it quantized."""

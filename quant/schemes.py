@@ -237,14 +237,19 @@ def quant_args(scheme: str, group_size: int | None = None, algorithm: str | None
                      tuple(units_8bit))
 
 
+def awq_search_config(scheme: str, group_size: int | None = None):
+    """The torchao config AWQ's search quantizes each candidate with: the scheme's int4 groups, min/max scales."""
+    from quant.algorithms import AWQ_SEARCH_QPARAMS
+
+    return SCHEMES[scheme].int4_config(quant_args(scheme, group_size).group_size, AWQ_SEARCH_QPARAMS)
+
+
 def prepare_for_scheme(module: nn.Module, scheme: str, args: QuantArgs) -> None:
     """The fp32 transform of the scheme's algorithm (AWQ's scales, SpinQuant's rotations), before quantize_."""
-    from quant.algorithms import AWQ_SEARCH_QPARAMS, prepare_weights
+    from quant.algorithms import prepare_weights
 
-    spec = SCHEMES[scheme]
-    if spec.int4_config is not None:
-        prepare_weights(module, args.algorithm, spec.int4_config(args.group_size, AWQ_SEARCH_QPARAMS),
-                        args.calibration)
+    if SCHEMES[scheme].int4_config is not None:
+        prepare_weights(module, args.algorithm, awq_search_config(scheme, args.group_size), args.calibration)
 
 
 def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None, algorithm: str | None = None,

@@ -1,156 +1,25 @@
 """Lowerbench in the browser: a thin Gradio layer over `recipes.run.run` (the same function the CLI calls).
-Each job runs in its own process (torch.export is not thread-safe, and a crash must not take the UI down)
-and writes into its own folder under the jobs root.
+Each job runs in its own process and folder (recipes/jobs.py).
 
     python app.py [--host 127.0.0.1] [--port 7860]
 
-Environment: LOWERBENCH_JOBS_DIR (default ./jobs), LOWERBENCH_JOB_MAX_AGE_H (job folders older than this
-are deleted, default 6), LOWERBENCH_JOBS_MAX_GB (the oldest finished jobs are deleted to keep the jobs
-folder under this size, default 20), LOWERBENCH_CONCURRENCY (jobs at once, default 2), LOWERBENCH_ALLOW_LOCAL_PATHS
-(default 1, or 0 on a Space).
+Environment: those of recipes/jobs.py (jobs folder, age and size caps), LOWERBENCH_CONCURRENCY (jobs at once,
+default 2), LOWERBENCH_ALLOW_LOCAL_PATHS (default 1, or 0 on a Space).
 """
 
 import argparse
 import html
-import multiprocessing
 import os
-import queue
-import shutil
 import sys
-import threading
-import time
-import traceback
-import uuid
 from pathlib import Path
 
-import thread_policy
-from errors import UserFacingError
+from models.errors import UserFacingError
+from recipes import thread_policy
+from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
 
 ROOT = Path(__file__).resolve().parent
 BUILTIN, HUB, LOCAL = "Built-in SmolLM2-135M-Instruct", "Hugging Face Hub repo", "Local path"
 ON_SPACE = bool(os.environ.get("SPACE_ID"))
-
-
-def jobs_root() -> Path:
-    return Path(os.environ.get("LOWERBENCH_JOBS_DIR", ROOT / "jobs")).resolve()
-
-
-def clean_old_jobs(root: Path, max_age_s: float) -> None:
-    if not root.is_dir():
-        return
-    now = time.time()
-    for job in root.iterdir():
-        if job.is_dir() and now - job.stat().st_mtime > max_age_s:
-            shutil.rmtree(job, ignore_errors=True)
-
-
-ACTIVE_JOBS: set[Path] = set()  # job folders of this server that are still running; never removed by the cap
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def enforce_disk_cap(root: Path, max_bytes: float) -> None:
-    """Deletes the oldest finished jobs until the jobs folder is under the cap; refuses a new job when the
-    running ones alone are over it."""
-    if not root.is_dir():
-        return
-    jobs = sorted((j for j in root.iterdir() if j.is_dir()), key=lambda j: j.stat().st_mtime)
-    sizes = {job: folder_bytes(job) for job in jobs}
-    total = sum(sizes.values())
-    for job in jobs:
-        if total <= max_bytes:
-            break
-        if job not in ACTIVE_JOBS:
-            shutil.rmtree(job, ignore_errors=True)
-            total -= sizes[job]
-    if total > max_bytes:
-        raise UserFacingError(
-            f"running jobs use {total / 1e9:.1f} GB, above the jobs folder cap of {max_bytes / 1e9:.1f} GB "
-            "(LOWERBENCH_JOBS_MAX_GB); try again when one of them has finished."
-        )
-
-
-def new_job_dir() -> Path:
-    root = jobs_root()
-    clean_old_jobs(root, float(os.environ.get("LOWERBENCH_JOB_MAX_AGE_H", "6")) * 3600)
-    enforce_disk_cap(root, float(os.environ.get("LOWERBENCH_JOBS_MAX_GB", "20")) * 1e9)
-    job = root / uuid.uuid4().hex
-    job.mkdir(parents=True)
-    ACTIVE_JOBS.add(job)
-    return job
-
-
-def _job_process(request, messages, cancel_flag) -> None:
-    """Runs in the job's own process: run() with progress sent back and the UI's cancel relayed."""
-    from recipes.run import run
-
-    cancel = threading.Event()
-    threading.Thread(target=lambda: (cancel_flag.wait(), cancel.set()), daemon=True).start()
-    try:
-        summary = run(request, progress=lambda f, m: messages.put(("progress", f, m)), cancel=cancel)
-        messages.put(("done", summary))
-    except UserFacingError as err:
-        messages.put(("error", str(err)))
-    except BaseException as err:  # the UI gets one line; the server log gets the traceback
-        traceback.print_exc()
-        messages.put(("error", f"internal error ({type(err).__name__}); the server log has the details."))
-
-
-_CANCELS: dict[str, object] = {}  # session -> cancel flag of its running job
-CANCEL_GRACE_S = 3.0  # how long a cancelled job may take to reach a stage boundary before it is killed
-_CANCELS_LOCK = threading.Lock()
-
-
-def run_job(request, session: str, progress) -> dict:
-    """run() in a fresh process; raises UserFacingError with run()'s message when it fails."""
-    context = multiprocessing.get_context("spawn")
-    messages, cancel_flag = context.Queue(), context.Event()
-    with _CANCELS_LOCK:
-        _CANCELS[session] = cancel_flag
-    process = context.Process(target=_job_process, args=(request, messages, cancel_flag), daemon=True)
-    try:
-        progress(0.0, "starting the job")
-        process.start()
-        cancelled_at = None
-        while True:
-            try:
-                message = messages.get(timeout=0.5)
-            except queue.Empty:
-                if cancel_flag.is_set():
-                    cancelled_at = cancelled_at or time.monotonic()
-                    # run() stops at the next stage boundary; a long stage (lowering takes minutes) is not
-                    # waited for: the job's process is killed, and atomic writes leave nothing partial.
-                    if time.monotonic() - cancelled_at > CANCEL_GRACE_S:
-                        process.kill()
-                        raise UserFacingError("the job was cancelled; nothing was kept.")
-                if not process.is_alive():
-                    raise UserFacingError(f"the job stopped unexpectedly (exit code {process.exitcode}); "
-                                          "it may have run out of memory. Try a smaller model or fewer recipes.")
-                continue
-            if message[0] == "progress":
-                progress(message[1], message[2])
-            elif message[0] == "done":
-                return message[1]
-            else:
-                raise UserFacingError(message[1])
-    finally:
-        with _CANCELS_LOCK:
-            if _CANCELS.get(session) is cancel_flag:
-                del _CANCELS[session]
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-
-
-def cancel_job(session: str) -> bool:
-    with _CANCELS_LOCK:
-        flag = _CANCELS.get(session)
-    if flag is None:
-        return False
-    flag.set()
-    return True
 
 
 def backends() -> dict[str, list]:
@@ -301,7 +170,7 @@ def recipe_picker(grouped: dict[str, list]) -> list:
 
     return [
         gr.CheckboxGroup([(recipe_label(r), r.name) for r in recipes],
-                         value=[r.name for r in recipes if r.name == "xnnpack-8da4w"],
+                         value=[r.name for r in recipes if r.default],
                          label=recipes[0].backend.title, info=where_it_runs(recipes[0].backend),
                          elem_id=f"recipes-{backend}",
                          elem_classes=["lb-backend"])
@@ -393,13 +262,41 @@ def layer_map_panel(recipe_dirs_state, asked, finished_event) -> None:
     finished_event.then(show, [recipe_dirs_state, asked], [panel, chart, engines], api_visibility="private")
 
 
+def profile_panel(recipe_dirs_state, finished_event) -> None:
+    """The profile section of the app's page, filled when `finished_event` (the job's event) is done, from the
+    report.json of each recipe folder in `recipe_dirs_state` (recipe -> folder)."""
+    import gradio as gr
+
+    from recipes.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
+
+    gr.Markdown("### Where a decode step's time goes (ExecuTorch runtime, ETDump)")
+    summary = gr.Markdown()
+    chart = gr.BarPlot(x="op", y="ms_per_step", color="kind", sort="-y", x_label_angle=-30,
+                       label="A decode step's top ops (ms per step)")
+    choice = gr.Dropdown(["all"], value="all", label="Profile table: backend or recipe")
+    table = gr.DataFrame(label="Per-op profile (decode step and prefill)")
+    rows_state = gr.State([])
+
+    def show(recipe_dirs):
+        reports = read_reports(recipe_dirs)
+        rows = profile_rows(reports)
+        choices = ["all", *dict.fromkeys(r["recipe"]["backend"] for r in reports),
+                   *(r["recipe"]["name"] for r in reports)]
+        return (profile_summary(reports), decode_bars(rows), gr.Dropdown(choices=choices, value="all"),
+                profile_table(rows, "all"), rows)
+
+    finished_event.then(show, recipe_dirs_state, [summary, chart, choice, table, rows_state],
+                        api_visibility="private")
+    choice.change(profile_table, [rows_state, choice], table, queue=False, api_visibility="private")
+
+
 def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_seq_len, group_size):
     """The Zoo tab: the matrix's measured table with a backend filter; choosing a model fills the model
-    fields, preselects its recommended recipes and shows their measured figures (data: recipes/zoo.py)."""
+    fields, preselects its recommended recipes and shows their measured figures (data: zoo/entries.py)."""
     import gradio as gr
     import pandas as pd
 
-    from recipes import zoo
+    from zoo import entries as zoo
 
     entries, cells = zoo.load_entries(), zoo.read_results()
 
@@ -419,7 +316,7 @@ def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_
         )
 
     with gr.Tab("Zoo"):
-        gr.Markdown("Measured by `python -m recipes matrix` (zoo/README.md). Choose a model to fill the Lower "
+        gr.Markdown("Measured by `python -m zoo matrix` (zoo/README.md). Choose a model to fill the Lower "
                     "tab's form with its recommended recipes.")
         with gr.Row():
             model = gr.Dropdown(list(entries), value=None, label="Zoo model", elem_id="zoo-model")
@@ -452,7 +349,6 @@ def lower_page() -> dict:
     import pandas as pd
 
     from recipes.generate import DEFAULT_PROMPT
-    from recipes.profile_view import profile_panel
     from recipes.run import RunRequest, summary_rows, user_options
 
     grouped = backends()
@@ -473,21 +369,16 @@ def lower_page() -> dict:
         session = request.session_hash if request is not None else None
         try:
             model = choose_model(source, hub_repo, local_path)
-            job = new_job_dir()
-            run_request = RunRequest(
-                recipes=list(recipes or []), out_dir=job, model=model, revision=(revision or "").strip() or None,
-                token=(oauth_token.token if oauth_token else None) or (token or "").strip() or None,
-                prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
-                options={**(options or {}), **user_options(group_size)},
-                generate=not export_only, layer_map=bool(layer_map),
-            )
-            try:
+            with job_folder() as job:  # a failed or cancelled job leaves nothing behind
+                run_request = RunRequest(
+                    recipes=list(recipes or []), out_dir=job, model=model,
+                    revision=(revision or "").strip() or None,
+                    token=(oauth_token.token if oauth_token else None) or (token or "").strip() or None,
+                    prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
+                    options={**(options or {}), **user_options(group_size)},
+                    generate=not export_only, layer_map=bool(layer_map),
+                )
                 summary = run_job(run_request, session or job.name, lambda f, m: progress(f, desc=m))
-            except UserFacingError:
-                shutil.rmtree(job, ignore_errors=True)  # a failed or cancelled job leaves nothing behind
-                raise
-            finally:
-                ACTIVE_JOBS.discard(job)
         except UserFacingError as err:
             remember_error(session, "lower", str(err))
             raise gr.Error(str(err), print_exception=False) from None

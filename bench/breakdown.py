@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-import thread_policy
+from recipes import thread_policy
 
 # The timing runs in a Lowerbench process (thread_policy.py), set before torch loads; as in bench/decode.py.
 if __name__ == "__main__" and sys.argv[1:2] == ["time"]:

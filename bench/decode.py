@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-import thread_policy
+from recipes import thread_policy
 
 # OpenMP reads its default when torch loads, so the policy (thread_policy.py) is applied here, before the
 # import below. Both .pte engines run in a Lowerbench process: the same runtime loop for both. The other
@@ -65,7 +65,7 @@ def runtime_engine_step(pte: str, positions: str):
     positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
     forward(input_ids, cache_position[T]). Without the policy's OpenMP default (--stock-threads) the
     step's per-call thread setting does nothing, so the same step serves both."""
-    from recipes.xnnpack import BACKEND
+    from recipes.backends.xnnpack import BACKEND
 
     step = gen.runtime_step(gen.load_runtime_method(pte, BACKEND.runtime_imports))
     if positions == "start":

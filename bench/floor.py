@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-import thread_policy
+from recipes import thread_policy
 
 # Timed like every Lowerbench runtime call (thread_policy.py), set before torch loads.
 if __name__ == "__main__":
@@ -132,7 +132,7 @@ def _lower_attention():
     delegable, so it runs on ExecuTorch's kernels as in the real program."""
     from recipes.generate import load_runtime_method
     from recipes.lowering import lower_to_pte
-    from recipes.xnnpack import BACKEND, xnnpack_partitioners
+    from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
 
     example = (torch.randn(1, 1, HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM),
                torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.tensor([DECODE_POSITIONS[0]]))
@@ -172,7 +172,7 @@ def _lower(module: nn.Module, quantize: bool):
     from quant.schemes import quantize_linears_8da4w
     from recipes.generate import load_runtime_method
     from recipes.lowering import lower_to_pte
-    from recipes.xnnpack import BACKEND, xnnpack_partitioners
+    from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
 
     module.eval()
     if quantize:

@@ -11,8 +11,10 @@ import argparse
 import json
 import statistics
 
-import thread_policy
+from recipes import thread_policy
 from bench.measure import median, paired_ratio_by_run
+
+RUNNER = "executorch-llm-runner"  # this engine's name: ExecuTorch's TextLLMRunner, its own statistics
 
 # As for bench/decode.py's .pte engines: the product's thread policy, applied before torch loads.
 if __name__ == "__main__":
@@ -26,7 +28,7 @@ LONG_ANSWER_PROMPT = "Write a long story about a dragon who learns to fly."
 def generate_in_runner(pte: str, tokenizer_json: str, hf: str, prompt: str, new_tokens: int, threads: int) -> dict:
     from bench.decode import load_tokenizer, set_runtime_threads
     from recipes.llm_runner import generate_with_runner
-    from recipes.xnnpack import BACKEND
+    from recipes.backends.xnnpack import BACKEND
 
     # The runner's extension links the pybindings' runtime, so they share one thread pool.
     set_runtime_threads(threads)

@@ -13,7 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from bench.measure import median, paired_ratio_by_run, run_measured
+from bench.measure import paired_ratio_by_run, run_measured
+from bench.runner import RUNNER
 
 SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
 RECIPE = "xnnpack-8da4w"
@@ -184,8 +185,6 @@ def decode_cmd(py: str, engine: str, pte: Path, folder: Path, args) -> list[str]
 
 def in_runner(engine: str) -> str:
     """The decode record's engine name for a program run in ExecuTorch's LLM runner (bench/runner.py)."""
-    from bench.table import RUNNER
-
     return f"{engine} · {RUNNER}"
 
 

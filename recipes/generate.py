@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-import thread_policy
-from errors import UserFacingError
+from recipes import thread_policy
+from models.errors import UserFacingError
 
 from models.prompting import prompt_token_ids, stop_token_ids
 

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import thread_policy
-from errors import UserFacingError
+from recipes import thread_policy
+from models.errors import UserFacingError
 from models.prompting import prompt_text, prompt_token_ids, stop_token_ids
 from recipes.generate import Generation
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-import malloc_policy
-import torch_export
+from recipes import malloc_policy
+from models import torch_export
 from recipes.delegation import delegation_table
 
 

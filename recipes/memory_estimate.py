@@ -4,7 +4,7 @@ downloaded; and the refusal of a job that cannot fit.
 A job's stages run one after another in one process, so its peak is the largest stage's. Each stage holds
 what the job keeps (the quantized modules of earlier recipes, the reference logits) plus its own working
 set, which the constants below give as ratios to the bytes it works on, measured stage by stage
-(recipes/rss.py; the peaks in zoo/results.json, measured by `python -m recipes matrix`). A backend's
+(recipes/rss.py; the peaks in zoo/results.json, measured by `python -m zoo matrix`). A backend's
 lowering differs most, so its ratio is the backend's own `lowering_memory_ratio` (recipes/<backend>.py)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 
 GB = 1e9
 LIMIT_ENV = "LOWERBENCH_MEMORY_LIMIT_GB"

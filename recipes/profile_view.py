@@ -1,6 +1,6 @@
-"""A report's profile (recipes/profile.py) as the app shows it: a decode step's top ops as bar-chart rows,
-delegated vs not, and the per-op table with a backend or recipe filter. `profile_panel` puts both into the
-app's page; the rest is plain data, the same for a script."""
+"""A report's profile (recipes/profile.py) as people read it: a decode step's top ops as bar-chart rows,
+delegated vs not, the per-op table with a backend or recipe filter, and the model card's section. Plain data,
+the same for a script; app.py puts it on the page."""
 from __future__ import annotations
 
 import json
@@ -72,32 +72,6 @@ def profile_summary(reports: list[dict]) -> str:
 
 def read_reports(recipe_dirs: dict) -> list[dict]:
     return [json.loads((Path(folder) / "report.json").read_text()) for folder in (recipe_dirs or {}).values()]
-
-
-def profile_panel(recipe_dirs_state, finished_event) -> None:
-    """The profile section of the app's page, filled when `finished_event` (the job's event) is done, from the
-    report.json of each recipe folder in `recipe_dirs_state` (recipe -> folder)."""
-    import gradio as gr
-
-    gr.Markdown("### Where a decode step's time goes (ExecuTorch runtime, ETDump)")
-    summary = gr.Markdown()
-    chart = gr.BarPlot(x="op", y="ms_per_step", color="kind", sort="-y", x_label_angle=-30,
-                       label="A decode step's top ops (ms per step)")
-    choice = gr.Dropdown(["all"], value="all", label="Profile table: backend or recipe")
-    table = gr.DataFrame(label="Per-op profile (decode step and prefill)")
-    rows_state = gr.State([])
-
-    def show(recipe_dirs):
-        reports = read_reports(recipe_dirs)
-        rows = profile_rows(reports)
-        choices = ["all", *dict.fromkeys(r["recipe"]["backend"] for r in reports),
-                   *(r["recipe"]["name"] for r in reports)]
-        return (profile_summary(reports), decode_bars(rows), gr.Dropdown(choices=choices, value="all"),
-                profile_table(rows, "all"), rows)
-
-    finished_event.then(show, recipe_dirs_state, [summary, chart, choice, table, rows_state],
-                        api_visibility="private")
-    choice.change(profile_table, [rows_state, choice], table, queue=False, api_visibility="private")
 
 
 def model_card_lines(report: dict, top: int = 5) -> list[str]:

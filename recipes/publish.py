@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from recipes.profile_view import model_card_lines
 from recipes.tokenizer_files import TOKENIZER_FILES
 

@@ -1,6 +1,6 @@
-"""The backend registry. Each backend is one module that defines `BACKEND` (a Backend) and `RECIPES`
-(its Recipes); load_backends() finds them by importing every module of this package and of the packages
-named in LOWERBENCH_BACKEND_PACKAGES. The pipeline asks a recipe's backend everything it needs, so it never
+"""The backend registry. Each backend is one module of recipes/backends/ that defines `BACKEND` (a Backend) and
+`RECIPES` (its Recipes); load_backends() finds them by importing every module of that package and of the
+packages named in LOWERBENCH_BACKEND_PACKAGES. The pipeline asks a recipe's backend everything it needs, so it never
 branches on backend names."""
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from models.llama import ExportOptions
 
+BACKENDS_PACKAGE = "recipes.backends"
 BACKEND_PACKAGES_ENV = "LOWERBENCH_BACKEND_PACKAGES"  # comma-separated importable packages of extra backends
 
 
@@ -90,6 +91,7 @@ class Recipe:
     pte_bytes: tuple[float, float] | None = None
     # Where this recipe's lowering differs from the backend's `lowering_memory_ratio` (same units).
     lowering_memory_ratio: float | None = None
+    default: bool = False  # ticked when the app opens
 
     def export_options(self, max_seq_len: int) -> ExportOptions:
         from quant.schemes import SCHEMES
@@ -121,7 +123,7 @@ RECIPES = REGISTRY.recipes
 
 
 def _backend_packages() -> tuple[str, ...]:
-    return ("recipes", *filter(None, (p.strip() for p in os.environ.get(BACKEND_PACKAGES_ENV, "").split(","))))
+    return (BACKENDS_PACKAGE, *filter(None, (p.strip() for p in os.environ.get(BACKEND_PACKAGES_ENV, "").split(","))))
 
 
 def _backend_modules(packages: tuple[str, ...]) -> list[str]:

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-import malloc_policy
-import thread_policy
-from errors import UserFacingError
+from recipes import malloc_policy
+from recipes import thread_policy
+from models.errors import UserFacingError
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.layer_error import eager_layer_outputs
@@ -308,7 +308,9 @@ def _prepare(recipe: Recipe, checkpoint: Checkpoint, request: RunRequest, prepar
         return module, program, quantization
     started = stages.begin(f"quantizing ({recipe.quantization}) for {recipe.name}, reading its weights")
     if quantizes_by_unit(recipe.quantization, options):
-        quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, request.max_seq_len)
+        # the quantized units kept between AWQ's searches must not pin the blocks a search frees
+        quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, request.max_seq_len,
+                                  around_search=malloc_policy.reusing_large_blocks)
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options, transform_unit=quantizer)
         quantization, seconds = quantizer.section(module), quantizer.seconds
     else:

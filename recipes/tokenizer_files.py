@@ -7,7 +7,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import thread_policy
+from recipes import thread_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +223,8 @@ def tiny_fp32_lowered(tiny_checkpoint):
 
 
 def run_cli(*args, timeout=3000, env: dict | None = None):
-    """`python -m recipes ...` in a subprocess, as a user or CI script would run it; env: variables to add."""
+    """`python -m recipes ...` (or `python -m zoo matrix ...`) in a subprocess, as a user or CI script would run
+    it; env: variables to add."""
     import os
     import subprocess
     import sys
@@ -231,20 +232,23 @@ def run_cli(*args, timeout=3000, env: dict | None = None):
 
     root = Path(__file__).resolve().parent.parent
     return subprocess.run(
-        [sys.executable, "-m", "recipes", *args], cwd=root, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "zoo" if args[0] == "matrix" else "recipes", *args], cwd=root, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
 
 
 def run_main(*args):
-    """`python -m recipes ...` in this process: the same main() without a new interpreter's imports, for
-    refusals that happen before any work. (returncode, stdout, stderr) as run_cli gives them."""
+    """`python -m recipes ...` (or `python -m zoo matrix ...`) in this process: the same main() without a new
+    interpreter's imports, for refusals that happen before any work. (returncode, stdout, stderr) as run_cli
+    gives them."""
     import io
     import types
     from contextlib import redirect_stderr, redirect_stdout
 
-    from recipes.__main__ import main
+    from recipes.__main__ import main as recipes_main
+    from zoo.__main__ import main as zoo_main
 
+    main = zoo_main if args[0] == "matrix" else recipes_main
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         try:

@@ -286,7 +286,7 @@ def test_model_card_describes_the_recipe(tiny_fp32_run):
 
 
 def test_push_refuses_cleanly_without_a_token(tiny_fp32_run):
-    from errors import UserFacingError
+    from models.errors import UserFacingError
     from recipes.publish import push_to_hub
 
     with pytest.raises(UserFacingError, match="token"):
@@ -296,7 +296,7 @@ def test_push_refuses_cleanly_without_a_token(tiny_fp32_run):
 def test_push_to_hub_creates_the_repo_and_round_trips(hub, tiny_fp32_run, tmp_path):
     from huggingface_hub import hf_hub_download
 
-    from errors import UserFacingError
+    from models.errors import UserFacingError
     from recipes.publish import push_to_hub
     from tests.conftest import BAD_TOKEN, GOOD_TOKEN
 

@@ -94,26 +94,42 @@ def _job(root, name, size, age_s):
 
 
 def test_old_jobs_are_removed_and_the_jobs_folder_is_capped(tmp_path):
-    import app
-    from errors import UserFacingError
+    from models.errors import UserFacingError
+    from recipes import jobs
 
     root = tmp_path / "jobs"
     stale = _job(root, "stale", 10, age_s=7 * 3600)
     oldest = _job(root, "oldest", 400, age_s=300)
     running = _job(root, "running", 400, age_s=200)
     newest = _job(root, "newest", 400, age_s=100)
-    app.clean_old_jobs(root, max_age_s=6 * 3600)
+    jobs.clean_old_jobs(root, max_age_s=6 * 3600)
     assert not stale.exists() and oldest.exists()
 
-    app.ACTIVE_JOBS.add(running)
+    jobs.ACTIVE_JOBS.add(running)
     try:
-        app.enforce_disk_cap(root, max_bytes=900)  # 1200 bytes: the oldest finished job goes first
+        jobs.enforce_disk_cap(root, max_bytes=900)  # 1200 bytes: the oldest finished job goes first
         assert not oldest.exists() and running.exists() and newest.exists()
         with pytest.raises(UserFacingError, match="running jobs use"):
-            app.enforce_disk_cap(root, max_bytes=300)  # only the running job is left, still over the cap
+            jobs.enforce_disk_cap(root, max_bytes=300)  # only the running job is left, still over the cap
         assert running.exists() and not newest.exists()
     finally:
-        app.ACTIVE_JOBS.discard(running)
+        jobs.ACTIVE_JOBS.discard(running)
+
+
+def test_a_job_folder_is_kept_when_its_job_finishes_and_removed_when_it_fails(tmp_path, monkeypatch):
+    from models.errors import UserFacingError
+    from recipes import jobs
+
+    monkeypatch.setenv("LOWERBENCH_JOBS_DIR", str(tmp_path / "jobs"))
+    with jobs.job_folder() as kept:
+        assert kept in jobs.ACTIVE_JOBS and kept.parent == tmp_path / "jobs"
+        (kept / "report.json").write_text("{}")
+    assert (kept / "report.json").is_file() and kept not in jobs.ACTIVE_JOBS
+    with pytest.raises(UserFacingError, match="no recipe"):
+        with jobs.job_folder() as failed:
+            (failed / "model.pte").write_bytes(b"partial")
+            raise UserFacingError("no recipe chosen")
+    assert not failed.exists() and failed not in jobs.ACTIVE_JOBS
 
 
 @pytest.mark.parametrize("stage", ["quantizing", "exporting", "lowering"])
@@ -123,8 +139,8 @@ def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, 
     import threading
     import time
 
-    import app
-    from errors import UserFacingError
+    from models.errors import UserFacingError
+    from recipes import jobs
     from recipes.run import RunRequest
 
     session = f"cancel-{stage}"
@@ -133,19 +149,19 @@ def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, 
     def progress(fraction, message):
         if message.startswith(stage) and not cancelled_at:
             cancelled_at.append(time.monotonic())
-            threading.Thread(target=app.cancel_job, args=(session,)).start()
+            threading.Thread(target=jobs.cancel_job, args=(session,)).start()
 
     request = RunRequest(recipes=["xnnpack-8da4w"], out_dir=tmp_path / "job", model=str(tiny_llama_dir),
                          max_seq_len=64, max_new_tokens=4, prompt="what is the capital ?")
     with pytest.raises(UserFacingError, match="cancelled"):
-        app.run_job(request, session, progress)
+        jobs.run_job(request, session, progress)
     assert cancelled_at, f"the job never reached {stage}"
-    assert time.monotonic() - cancelled_at[0] < app.CANCEL_GRACE_S + 10
+    assert time.monotonic() - cancelled_at[0] < jobs.CANCEL_GRACE_S + 10
     assert not list((tmp_path / "job").rglob("model.pte")) and not list((tmp_path / "job").rglob("report.json"))
 
 
 def test_export_only_job_has_no_prompt_to_fit_in_its_context(tiny_checkpoint, tmp_path):
-    from errors import UserFacingError
+    from models.errors import UserFacingError
     from recipes.run import RunRequest, check_context
 
     long_prompt = "hello world " * 100

@@ -5,7 +5,7 @@ import platform
 import pytest
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 
 IO_GLUE = {"getitem"}  # unpacking the delegate's outputs; what may stay outside a full delegation
 
@@ -180,7 +180,7 @@ def test_the_chunked_fp16_overflow_check_answers_as_coremltools_own_and_is_undon
     import numpy as np
     from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
 
-    from recipes.coreml import OVERFLOW_CHECK_CHUNK, lowering_patches, overflows_fp16
+    from recipes.backends.coreml import OVERFLOW_CHECK_CHUNK, lowering_patches, overflows_fp16
 
     own = FP16ComputePrecision.fp16_overflow
     big = np.zeros(3 * OVERFLOW_CHECK_CHUNK + 5, dtype=np.float32)

@@ -156,7 +156,7 @@ _FIRST_CALL_FAULTS = """
 import resource, sys
 import torch
 from recipes.generate import load_runtime_method, runtime_step
-from recipes.xnnpack import BACKEND
+from recipes.backends.xnnpack import BACKEND
 step = runtime_step(load_runtime_method(sys.argv[1], BACKEND.runtime_imports), warm=sys.argv[2] == "warm")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 step(torch.zeros((1, 1), dtype=torch.long), torch.tensor([5]))

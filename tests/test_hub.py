@@ -7,7 +7,7 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import load_file
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from models.hub import download_from_hub
 from tests.conftest import BAD_TOKEN, GOOD_TOKEN, OTHER_TOKEN
 

@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import json, sys
-import malloc_policy
+from recipes import malloc_policy
 applied = malloc_policy.unmap_large_blocks() if sys.argv[1] == "on" else False
 import psutil, torch
 rss = lambda: psutil.Process().memory_info().rss
@@ -41,7 +41,7 @@ def test_freed_temporaries_leave_rss_under_the_policy_and_stay_without_it():
 
 REUSE_PROBE = """
 import json, resource
-import malloc_policy
+from recipes import malloc_policy
 malloc_policy.unmap_large_blocks()
 import psutil, torch
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

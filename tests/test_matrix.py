@@ -1,4 +1,4 @@
-"""`python -m recipes matrix` on a real local Ray cluster: tiny random Llamas, export only."""
+"""`python -m zoo matrix` on a real local Ray cluster: tiny random Llamas, export only."""
 import json
 
 import pytest
@@ -19,7 +19,7 @@ def _entry_file(folder, name, layers):
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    from recipes.matrix import runtime_env
+    from zoo.matrix import runtime_env
 
     ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env(), _memory=6 * 1024**3)
     yield ray
@@ -33,8 +33,8 @@ def tiny_entries(tmp_path_factory):
 
 
 def _matrix(entries, recipes, out):
-    from recipes.matrix import plan_cells, run_matrix
-    from recipes.zoo import find_entry
+    from zoo.matrix import plan_cells, run_matrix
+    from zoo.entries import find_entry
 
     cells = plan_cells([find_entry(e) for e in entries], recipes, max_seq_len=32, generate=False, weights="random")
     return run_matrix(cells, out, log=lambda msg: None)
@@ -85,8 +85,8 @@ def test_matrix_records_an_invalid_cell_with_its_reason_and_finishes_the_others(
 
 
 def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_cluster, tmp_path):
-    from recipes.matrix import plan_cells, run_matrix
-    from recipes.zoo import find_entry
+    from zoo.matrix import plan_cells, run_matrix
+    from zoo.entries import find_entry
 
     cells = plan_cells([find_entry("meta-llama/Llama-3.1-8B-Instruct")], ["xnnpack-fp32"], max_seq_len=512,
                        generate=False, weights="random")
@@ -95,7 +95,7 @@ def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_clus
 
 
 def test_a_cell_that_times_generation_takes_the_whole_node_and_an_export_does_not():
-    from recipes.matrix import cell_cpus
+    from zoo.matrix import cell_cpus
     from recipes.memory_estimate import estimate_job
     from recipes.registry import get_recipe
     from transformers import LlamaConfig

@@ -1,4 +1,4 @@
-"""`python -m recipes matrix --ray-address`: the matrix runs on a cluster it is given, started here with
+"""`python -m zoo matrix --ray-address`: the matrix runs on a cluster it is given, started here with
 `ray start --head` as a user would start one, and sizes its cells by that cluster's nodes."""
 import json
 import os

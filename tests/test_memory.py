@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from models.checkpoint import SafetensorsWeights, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
@@ -255,12 +255,12 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
 
 
 def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
-    """zoo/results.json: whole jobs' and export-only peak RSS as `python -m recipes matrix` measured them, from
+    """zoo/results.json: whole jobs' and export-only peak RSS as `python -m zoo matrix` measured them, from
     the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""
-    from recipes.zoo import find_entry, preferred_cell
+    from zoo.entries import find_entry, preferred_cell
 
     installed = importlib.metadata.version("executorch")
-    # XNNPACK cells only from the installed executorch: Lowerbench's lowering patches (recipes/xnnpack_patches.py)
+    # XNNPACK cells only from the installed executorch: Lowerbench's lowering patches (recipes/backends/xnnpack.py)
     # are written for it, and the per-partition weight copy they share is gone only there. The other backends'
     # lowering (a deep copy per partition, then coremltools or QNN) is the same code in the previous pin.
     # Of a cell measured again (a newer executorch, or Lowerbench's own memory fixes), the newest, as the zoo shows.
@@ -323,7 +323,7 @@ def test_a_strict_export_leaves_nothing_that_keeps_the_module_alive():
     import gc
     import weakref
 
-    import torch_export
+    from models import torch_export
 
     module = torch.nn.Linear(64, 64)
     weight = weakref.ref(module.weight)

@@ -7,19 +7,19 @@ import time
 import pytest
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from tests.conftest import run_cli
 
 
 @pytest.fixture
 def no_qnn_libraries(monkeypatch, tmp_path):
     """A process that sees no QNN host libraries anywhere (the installed onnxruntime-qnn hidden)."""
-    import recipes.qnn
+    import recipes.backends.qnn
 
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
     monkeypatch.setenv("QNN_STAGING_DIR", str(tmp_path / "executorch-qnn-cache"))
-    monkeypatch.setattr(recipes.qnn, "onnxruntime_qnn_dir", lambda: None)
+    monkeypatch.setattr(recipes.backends.qnn, "onnxruntime_qnn_dir", lambda: None)
 
 
 def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_qnn_16a4w):
@@ -93,7 +93,7 @@ def test_one_token_calls_after_a_prefill_match_the_whole_call(tiny_qnn_16a4w):
 
 
 def test_without_qnn_libraries_lowering_fails_fast_with_what_to_install(no_qnn_libraries):
-    from recipes.qnn import qnn_partitioners
+    from recipes.backends.qnn import qnn_partitioners
 
     started = time.perf_counter()
     with pytest.raises(UserFacingError) as err:
@@ -124,7 +124,7 @@ def test_side_by_side_without_qnn_libraries_completes_xnnpack_and_records_qnn_er
 
 
 def _has_qnn_libraries() -> bool:
-    from recipes.qnn import find_qnn_libraries
+    from recipes.backends.qnn import find_qnn_libraries
 
     return find_qnn_libraries() is not None
 
@@ -134,7 +134,8 @@ needs_qnn = pytest.mark.skipif(not _has_qnn_libraries(), reason="no QNN host lib
 
 _RUNNER_AFTER_QNN = """
 import sys
-from recipes import qnn, llm_runner
+from recipes import llm_runner
+from recipes.backends import qnn
 qnn.load_qnn_libraries()
 try:
     llm_runner.generate_with_runner(sys.argv[1], sys.argv[2], None, "hi", 2)
@@ -208,7 +209,7 @@ def test_a_decoder_in_shards_compiles_one_qnn_graph_per_shard_with_every_linear_
 
 @pytest.mark.parametrize("value", [0, "two"])
 def test_a_shard_size_that_is_not_a_positive_layer_count_is_refused_before_any_work(value, tmp_path):
-    from errors import UserFacingError
+    from models.errors import UserFacingError
     from recipes.run import RunRequest, run
 
     out = tmp_path / "out"

@@ -3,7 +3,7 @@ the one-quantization-per-scheme cache."""
 import pytest
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from tests.conftest import run_main
 
 HIDDEN = 64  # the tiny Llama's hidden size
@@ -155,7 +155,7 @@ def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint
     """Two backends taking 8da4w on the same module quantize once; a different group size does not share."""
     from recipes.registry import Recipe
     from recipes.run import RunRequest, _prepare, _Stages
-    from recipes.xnnpack import BACKEND
+    from recipes.backends.xnnpack import BACKEND
 
     def recipe(name, **options):
         return Recipe(name=name, backend=BACKEND, quantization="8da4w", description="", options=options)

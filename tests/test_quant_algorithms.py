@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 
 
 @pytest.fixture(scope="module")

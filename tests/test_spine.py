@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from tests.conftest import run_cli, run_main
 
 
@@ -88,7 +88,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}
     # the default algorithm, AWQ, searched each decoder layer on the calibration text as the module was built
     assert report["quantization"]["calibration"]["tokens"] == 512 and report["timings_s"]["quant_algorithm"] > 0
-    import thread_policy
+    from recipes import thread_policy
 
     assert report["threads"] == {"openmp_default": "1", "openmp_default_set_by": "lowerbench",
                                  "torch_intra_op": thread_policy.physical_cores(), "torch_during_runtime_calls": 1}
@@ -112,7 +112,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
 
 def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_path):
     from recipes.generate import load_runtime_method
-    from recipes.xnnpack import BACKEND
+    from recipes.backends.xnnpack import BACKEND
 
     out = tmp_path / "out"
     result = run_main("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),

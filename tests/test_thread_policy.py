@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import thread_policy
+from recipes import thread_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # threads are such threads), and the calling thread's setting.
 PROBE = """
 import ctypes, json, os, sys, threading
-import thread_policy
+from recipes import thread_policy
 applied = thread_policy.limit_openmp_default() if sys.argv[1] == "policy" else None
 import torch
 torch_threads = thread_policy.torch_threads()

@@ -1,4 +1,4 @@
-"""Vulkan, the backend added as one file (recipes/vulkan.py): the tiny Llama lowers with its linears (as mm after
+"""Vulkan, the backend added as one file (recipes/backends/vulkan.py): the tiny Llama lowers with its linears (as mm after
 to_edge) and attention delegated; the .pte does not run on the wheel's runtime, so the column
 shows the eager generation, labelled, with the reason."""
 import pytest
@@ -39,7 +39,7 @@ def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(v
 
 
 def test_vulkan_pte_on_the_wheels_runtime_says_where_it_runs(vulkan_run):
-    from errors import UserFacingError
+    from models.errors import UserFacingError
     from recipes.generate import load_runtime_method
 
     out, _summary = vulkan_run

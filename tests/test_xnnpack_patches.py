@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from recipes import xnnpack_patches
+from recipes.backends import xnnpack as xnnpack_patches
 
 
 def _edge_graph(module, *inputs):
@@ -92,8 +92,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from contextlib import nullcontext
-from recipes import generate, lowering, xnnpack_patches
-from recipes.xnnpack import BACKEND, xnnpack_partitioners
+from recipes import generate, lowering
+from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
 torch.manual_seed(0)

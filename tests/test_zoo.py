@@ -1,7 +1,7 @@
 """The zoo's data: every entry is a Llama config the pipeline loads, and every recommendation fits it."""
 import pytest
 
-from recipes.zoo import load_entries, recommendation_problems
+from zoo.entries import load_entries, recommendation_problems
 
 ENTRIES = load_entries()
 REQUIRED = ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
@@ -17,7 +17,7 @@ def test_zoo_lists_the_required_models():
 def test_zoo_entry_config_loads_as_llama_config(repo_id):
     from transformers import LlamaConfig
 
-    from models.checkpoint import check_llama_config
+    from models.config import check_llama_config
     from models.llama import LlamaShape
 
     entry = ENTRIES[repo_id]
@@ -84,7 +84,7 @@ def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_p
 
 
 def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
-    from recipes.zoo_report import backend_tables
+    from zoo.report import backend_tables
 
     def cell(export_only, status="ok", decode=None):
         return {"model": "m", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "status": status, "stage": None,
@@ -100,7 +100,7 @@ def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
 
 
 def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
-    from recipes.zoo_report import backend_tables
+    from zoo.report import backend_tables
 
     def cell(executorch, peak_mb):
         return {"model": "m", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "status": "ok", "stage": None,
@@ -114,7 +114,7 @@ def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
 
 
 def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_cells(tmp_path):
-    from recipes.zoo_scaling import scaling_series
+    from zoo.plots import scaling_series
 
     def cell(model, recipe, peak_mb, executorch="1.5.1", export_only=True, status="ok"):
         return {"model": model, "recipe": recipe, "status": status, "export_only": export_only,
@@ -140,7 +140,7 @@ def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_
     import sys
     from pathlib import Path
 
-    script = ("import json, sys; from pathlib import Path; from recipes.zoo_scaling import write_scaling_plot; "
+    script = ("import json, sys; from pathlib import Path; from zoo.plots import write_scaling_plot; "
               "write_scaling_plot(json.loads(sys.argv[1]), Path(sys.argv[2]))")
     subprocess.run([sys.executable, "-c", script, json.dumps(series), str(tmp_path / "scaling.png")], check=True,
                    cwd=Path(__file__).resolve().parent.parent)

@@ -1,7 +1,7 @@
 """The app's Zoo tab in Debian's chromium: choosing a zoo model fills the form with its recommendation."""
 import re
 
-from recipes import zoo
+from zoo import entries as zoo
 from recipes.registry import load_backends
 
 from tests.conftest import launch_browser

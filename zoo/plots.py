@@ -1,10 +1,12 @@
-"""zoo/scaling.png: what an export-only job costs against the model's parameter count, one line per recipe,
-from the matrix's finished export-only cells (of a model measured twice, the cell the zoo shows)."""
+"""The zoo's figures written as PNGs; zoo/scaling.png: what an export-only job costs against the model's parameter
+count, one line per recipe, from the matrix's finished export-only cells (of a model measured twice, the cell the
+zoo shows)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.zoo import executorch_version, preferred_cell
+from recipes.lowering import write_atomically
+from zoo.entries import executorch_version, preferred_cell
 
 # A line needs this many models to say anything about how the cost grows.
 MIN_MODELS = 3
@@ -55,6 +57,17 @@ def write_scaling_plot(series: dict[str, list[dict]], path: Path) -> None:
     version = ".".join(map(str, newest))
     fig.suptitle(f"Lowerbench zoo: export-only cost against model size (filled: executorch {version}; "
                  "hollow: an earlier one)", fontsize=10)
-    from recipes.zoo_report import save_figure
-
     save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """The figure as a PNG, written atomically, and closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    write_atomically(path, png.getvalue())

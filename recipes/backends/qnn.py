@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch  # before any QNN library: loading them first crashed the adaptor ("Pure virtual function called")
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from quant.pt2e import ANNOTATION, is_output_layer, share_kv_cache_encoding
 from recipes.registry import Backend, recipe
 

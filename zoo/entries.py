@@ -1,15 +1,15 @@
 """The zoo: one JSON file per Llama-family Hub model under zoo/models/ (published config, license, gating,
 recommended recipe per backend), and the matrix's measured cells in zoo/results.json. Data logic only:
-the app's Zoo tab and `python -m recipes matrix` read through here."""
+the app's Zoo tab and `python -m zoo matrix` read through here."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 
-ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo"
+ZOO_DIR = Path(__file__).resolve().parent
 NEEDS_REAL_WEIGHTS = "needs real weights"
 
 

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from errors import UserFacingError
+from models.errors import UserFacingError
 from recipes.registry import Backend, recipe
 
 COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_AND_GPU", "cpu_only": "CPU_ONLY"}

@@ -1,4 +1,4 @@
-"""`python -m recipes matrix`: zoo models x recipes, each cell one Ray task running `recipes.run.run()`
+"""`python -m zoo matrix`: zoo models x recipes, each cell one Ray task running `recipes.run.run()`
 with the cores and memory the job's estimate asks for. Cells are resumable (a result with the same key
 is skipped), a failing cell records its stage and reason, and results.json holds every cell."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from errors import UserFacingError
-from recipes.zoo import NEEDS_REAL_WEIGHTS, ZooEntry
+from models.errors import UserFacingError
+from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS_RANDOM = "random bf16, shape-identical"
@@ -160,7 +160,7 @@ def record_from_report(record: dict, summary: dict, random_weights: bool) -> dic
 
 def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, tracker=None) -> dict:
     """The body of one Ray task: the same `run()` as `python -m recipes run`, one recipe, one model."""
-    import thread_policy
+    from recipes import thread_policy
 
     thread_policy.limit_openmp_default()
     if tracker is not None:
@@ -358,7 +358,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
 def write_results(out: Path) -> list[dict]:
     """results.json (every cell in out/cells), README.md and heatmap.png beside it."""
     from recipes.lowering import write_atomically
-    from recipes.zoo_report import write_readme
+    from zoo.report import write_readme
 
     records = sorted((json.loads(p.read_text()) for p in (Path(out) / "cells").glob("*.json")),
                      key=lambda r: (r["backend"], r["model"], r["recipe"]))
@@ -369,8 +369,8 @@ def write_results(out: Path) -> list[dict]:
     return records
 
 
-def main(args) -> int:
-    from recipes.zoo import find_entry
+def run_from_args(args) -> int:
+    from zoo.entries import find_entry
 
     entries = [find_entry(name) for name in args.models]
     cells = plan_cells(entries, args.recipes, args.max_seq_len, generate=not args.export_only, weights=args.weights)

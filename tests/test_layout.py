@@ -1,0 +1,103 @@
+"""The layout's rules, read from the code itself: no import cycle among the project's modules (imports inside
+functions count too), the layers point one way, and a backend is named by no module outside its own file."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("models", "quant", "recipes", "zoo", "bench")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name -> file, for app.py and every module of the project's packages (tests aside)."""
+    found = {"app": ROOT / "app.py"}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules a file imports, at any depth of its code: `from a.b import c` counts a.b.c when that
+    is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imported_modules(path, modules) - {name} for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each as a sorted list."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from c import g\n")
+    (tmp_path / "c.py").write_text("def g():\n    import a\n")
+    modules = {name: tmp_path / f"{name}.py" for name in "abc"}
+    graph = {name: imported_modules(path, modules) for name, path in modules.items()}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_models_and_quant_import_nothing_from_the_layers_above_them():
+    above = ("recipes", "zoo", "bench", "app")
+    graph = import_graph()
+    wrong = {module: sorted(t for t in targets if t.split(".")[0] in above)
+             for module, targets in graph.items() if module.split(".")[0] in ("models", "quant")}
+    assert {module: targets for module, targets in wrong.items() if targets} == {}
+    assert not any(t.startswith("quant") for module, targets in graph.items() if module.startswith("models")
+                   for t in targets)
+
+
+def test_no_module_outside_a_backend_file_imports_it():
+    """The pipeline asks the registry; only the backend's own file (and tests and benchmarks of it) name it."""
+    graph = import_graph()
+    backends = {name for name in graph if name.startswith("recipes.backends.")}
+    wrong = {module: sorted(targets & backends) for module, targets in graph.items()
+             if not module.startswith(("recipes.backends", "bench")) and targets & backends}
+    assert wrong == {}

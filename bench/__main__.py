@@ -135,7 +135,7 @@ def phase_decode(args, hf: Path) -> dict:
         # aborts in executorch.runtime ("double free or corruption").
         engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
     if engines.get("lowerbench-pte"):
-        # The same .pte without Lowerbench's thread policy (thread_policy.py): what the policy buys.
+        # The same .pte without Lowerbench's thread policy (recipes/thread_policy.py): what the policy buys.
         engines[table.STOCK_THREADS_PROBE] = [*lowerbench_cmd, *common, "--stock-threads"]
     if engines:
         # The memory-bound ceiling, measured in turn with the engines so it sees the same machine state.

@@ -27,7 +27,9 @@ def _meta_line(meta: dict, how: str | None = None) -> str:
 
 
 ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
-STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without thread_policy.py
+STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without recipes/thread_policy.py
+# The README's last section, kept as it is when the tables are written again: dates and notes no JSON records.
+HAND_WRITTEN = "## Notes on these tables (written by hand)"
 MEMORY_READ = "memory-read"  # bench/memory.py: the machine's read speed, measured in turn with the engines
 STEP_LOOP = "executorch-runtime step loop"  # engine of bench/decode.py's .pte engines: Lowerbench's Python loop
 
@@ -60,7 +62,7 @@ def decode_table(data: dict) -> list[str]:
         lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}."]
     stock = engines.get(STOCK_THREADS_PROBE, {})
     if stock.get("prefill_tokens_per_s") and lb.get("prefill_tokens_per_s"):
-        lines += ["", f"Lowerbench's thread policy (thread_policy.py), same .pte with ÷ without it: prefill "
+        lines += ["", f"Lowerbench's thread policy (recipes/thread_policy.py), same .pte with ÷ without it: prefill "
                       f"{ratio(lb['prefill_tokens_per_s'], stock['prefill_tokens_per_s'])}, decode "
                       f"{ratio(lb.get('decode_tokens_per_s'), stock.get('decode_tokens_per_s'))}."]
     weight_mb = s.get("decode_weight_mb_per_token")
@@ -482,7 +484,9 @@ def write_all(results: Path) -> None:
             lines += ["![export cost vs model size](scale.png)", ""]
         if name == "front" and data["rows"]:
             front_plot(data, results / "front.png")
-    (results / "README.md").write_text("\n".join(lines))
+    readme = results / "README.md"
+    kept = readme.read_text().partition(HAND_WRITTEN)[1:] if readme.is_file() else ("", "")
+    readme.write_text("\n".join(lines) + ("\n" + "".join(kept) if kept[0] else ""))
 
 
 if __name__ == "__main__":

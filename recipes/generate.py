@@ -10,10 +10,11 @@ from typing import Callable
 
 import torch
 
-from recipes import thread_policy
 from models.errors import UserFacingError
-
 from models.prompting import prompt_token_ids, stop_token_ids
+from recipes import thread_policy
+from recipes.pte_program import delegate_ids
+from recipes.registry import backend_for_delegate
 
 # Engines, as they appear in reports and the UI.
 ENGINE_RUNTIME = "executorch-runtime"
@@ -170,16 +171,12 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
 
 def _runs_on(delegate_id: str) -> str:
     """Where a delegate's programs run, from the registered backend of that delegate id."""
-    from recipes.registry import backend_for_delegate
-
     backend = backend_for_delegate(delegate_id)
     return backend.runs_on if backend is not None else "a runtime built with that backend"
 
 
 def delegate_backends(pte: Path | bytes) -> list[str]:
     """Backend ids of the delegates in a .pte, read from its flatbuffer."""
-    from recipes.pte_program import delegate_ids
-
     return delegate_ids(pte)
 
 
@@ -210,7 +207,7 @@ def warm_up(step: Callable) -> None:
     """One decode-shaped call (token 0 at position 0), made when a program is loaded so that a generation
     measures the program and not its one-time setup. On its first call a delegate may plan its workspace
     for the longest sequence it accepts and zero it, which would otherwise land in the first prefill
-    (README, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
+    (docs/design.md, "Warm-up"). ExecuTorch's LLM runner and llama.cpp's tools warm up the same way. The
     cache row it writes is harmless: a generation's prefill starts at position 0 and rewrites it, and
     attention never reads a row past the current position."""
     step(torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from quant.layer_error import eager_layer_outputs, in_reference_basis, layer_errors
+from recipes.generate import load_runtime_method
+from recipes.lowering import export_program, lower_for_backend
 
 
 def windows_of(ids: list[int], max_seq_len: int) -> list[torch.Tensor]:
@@ -32,9 +34,6 @@ def decoder_layer_outputs(program: torch.export.ExportedProgram) -> list[str]:
 
 def runtime_layer_outputs(module, recipe, options: dict, windows: list[torch.Tensor], max_seq_len: int):
     from executorch.devtools.intermediate_output_tap import FULL_TENSOR, strip_taps_, tap_intermediate_outputs_
-
-    from recipes.generate import load_runtime_method
-    from recipes.lowering import export_program, lower_for_backend
 
     backend = recipe.backend
     program = export_program(module, max_seq_len, strict=backend.strict_export)

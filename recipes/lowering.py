@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from recipes import malloc_policy
 from models import torch_export
+from recipes import malloc_policy
+from recipes import rss
 from recipes.delegation import delegation_table
 
 
@@ -266,8 +267,6 @@ def lower_to_pte(
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
            generate_etrecord, pte_path, release):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-
-    from recipes import rss
 
     counter = _EdgeOpCounter()
     _skip_redundant_decomposition(partitioners)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from recipes import generate as gen
 from recipes.lowering import write_atomically
+from recipes.pte_program import read_program
 
 ETDUMP_NAME = "model.etdump"  # the decode steps
 PREFILL_ETDUMP_NAME = "prefill.etdump"
@@ -69,8 +70,6 @@ class Profile:
 def instruction_names(pte: Path | bytes) -> dict[int, tuple[str, str | None]]:
     """Instruction id -> (operator name, None) for a kernel call, (backend id, backend id) for a delegate call,
     read from the .pte's execution plan: what an ETDump event's instruction id points at."""
-    from recipes.pte_program import read_program
-
     plan = next(p for p in read_program(pte).execution_plan if p.name == "forward")
     names = {}
     for index, instruction in enumerate(i for chain in plan.chains for i in chain.instructions):

@@ -13,6 +13,7 @@ from typing import Callable, ContextManager
 
 from models.errors import UserFacingError
 from models.llama import ExportOptions
+from quant.schemes import SCHEMES
 
 BACKENDS_PACKAGE = "recipes.backends"
 BACKEND_PACKAGES_ENV = "LOWERBENCH_BACKEND_PACKAGES"  # comma-separated importable packages of extra backends
@@ -94,8 +95,6 @@ class Recipe:
     default: bool = False  # ticked when the app opens
 
     def export_options(self, max_seq_len: int) -> ExportOptions:
-        from quant.schemes import SCHEMES
-
         backend = self.backend
         form = dict(attention=backend.attention, norm=backend.norm, fuse_qkv=backend.fuse_qkv,
                     dtype=SCHEMES[self.quantization].module_dtype)
@@ -192,8 +191,6 @@ def check_scheme(backend: Backend, scheme: str) -> None:
 def get_recipe(name: str) -> Recipe:
     """The one place recipe names are checked. A name that reads as `<backend>-<known scheme>` is refused with
     the schemes that backend takes, rather than as an unknown name."""
-    from quant.schemes import SCHEMES
-
     registry = load_backends()
     if name in RECIPES:
         return RECIPES[name]
@@ -208,8 +205,6 @@ def get_recipe(name: str) -> Recipe:
 
 def compatibility_table() -> str:
     """Backend x scheme grid for `python -m recipes list`: `yes`, or `-` with the reason below."""
-    from quant.schemes import SCHEMES
-
     backends = list(load_backends().backends.values())
     schemes = list(SCHEMES)
     width = max(len(s) for s in schemes) + 2

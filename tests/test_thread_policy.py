@@ -1,4 +1,4 @@
-"""thread_policy.py: OpenMP's process default is 1 in every Lowerbench process, set before torch loads; torch
+"""recipes/thread_policy.py: OpenMP's process default is 1 in every Lowerbench process, set before torch loads; torch
 keeps one thread per core; runtime calls run with the calling thread's torch threads at 1. The speed it
 buys is measured by the benchmark (bench/decode.py --stock-threads), not here."""
 import json

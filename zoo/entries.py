@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import UserFacingError
+from quant.schemes import SCHEMES, GROUP_SIZES, linear_input_dims
+from recipes.registry import RECIPES, load_backends
 
 ZOO_DIR = Path(__file__).resolve().parent
 NEEDS_REAL_WEIGHTS = "needs real weights"
@@ -61,9 +63,6 @@ def find_entry(name: str, zoo_dir: Path = ZOO_DIR) -> ZooEntry:
 
 def recommendation_problems(entry: ZooEntry) -> list[str]:
     """Why a recommended recipe does not fit the entry's shape (empty when every one fits)."""
-    from quant.schemes import SCHEMES, GROUP_SIZES, linear_input_dims
-    from recipes.registry import RECIPES, load_backends
-
     load_backends()
     config = entry.llama_config()
     limit = config.max_position_embeddings
@@ -146,10 +145,12 @@ def recommended_for(entry: ZooEntry, cells: list[dict]) -> list[dict]:
 
 def selection_for(entry: ZooEntry) -> dict:
     """What choosing a zoo model sets in the app: recommended recipe per backend, the smallest recommended
-    context, the XNNPACK recommendation's group size, and a line on license and gating."""
+    context, the group size of the first recommendation that sets one (the app has one group-size field), and a
+    line on license and gating."""
     recipes = {backend: rec["recipe"] for backend, rec in entry.recommended.items()}
     contexts = [rec["max_seq_len"] for rec in entry.recommended.values()]
-    group = (entry.recommended.get("xnnpack", {}).get("options") or {}).get("group_size")
+    group = next((size for rec in entry.recommended.values() if (size := (rec.get("options") or {}).get("group_size"))),
+                 None)
     access = (f"gated ({entry.license}): accept the license on the Hub and give a token"
               + (f", or use the ungated mirror `{entry.ungated_mirror}`" if entry.ungated_mirror else "")
               if entry.gated else f"ungated ({entry.license})")

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from models.errors import UserFacingError
+from quant.schemes import SCHEMES
+from recipes.lowering import share_preprocess_weights, swap_attribute
 from recipes.registry import Backend, recipe
 
 COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_AND_GPU", "cpu_only": "CPU_ONLY"}
@@ -69,8 +71,6 @@ def lowering_patches():
     from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
     from executorch.backends.apple.coreml.compiler import CoreMLBackend
 
-    from recipes.lowering import share_preprocess_weights, swap_attribute
-
     restores = [share_preprocess_weights(CoreMLBackend)]
     if importlib.metadata.version("coremltools") == CHUNKED_OVERFLOW_CHECK_FOR:
         restores.append(swap_attribute(FP16ComputePrecision, "fp16_overflow", staticmethod(fp16_overflow)))
@@ -120,8 +120,6 @@ BACKEND = Backend(
 
 def _pte_bytes(quantization: str, precision: str) -> tuple[float, float]:
     """fp16 compute stores every float weight (an fp32 module's, the int4 scheme's embedding) in fp16."""
-    from quant.schemes import SCHEMES
-
     stored = SCHEMES[quantization].pte_bytes
     return tuple(min(b, 2.0) for b in stored) if precision == "fp16" else stored
 

@@ -24,6 +24,7 @@ import torch  # before any QNN library: loading them first crashed the adaptor (
 
 from models.errors import UserFacingError
 from quant.pt2e import ANNOTATION, is_output_layer, share_kv_cache_encoding
+from recipes.layer_map import decoder_layer_outputs
 from recipes.registry import Backend, recipe
 
 QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK the pinned executorch is built against
@@ -391,8 +392,6 @@ def split_into_shards(edge_program: torch.export.ExportedProgram, per_shard: int
     (executorch/backends/qualcomm/partition/common_defs.py)."""
     from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS
     from executorch.exir.dialects._ops import ops as exir_ops
-
-    from recipes.layer_map import decoder_layer_outputs
 
     graph = edge_program.graph_module.graph
     nodes = {node.name: node for node in graph.nodes}

@@ -193,23 +193,32 @@ def option_fields(option_defaults: dict) -> list:
     return fields
 
 
+def quant_algorithm_choices() -> list[tuple[str, str]]:
+    """The quantization algorithm dropdown's (label, value) pairs: each scheme's default, then every algorithm
+    of quant/algorithms.py with its one-line description."""
+    from quant.algorithms import ALGORITHMS
+    from quant.schemes import SCHEMES, scheme_options
+
+    defaults = ", ".join(f"{name}: {scheme_options(name)['quant_algorithm']}" for name in SCHEMES
+                         if "quant_algorithm" in scheme_options(name))
+    # "" leaves each recipe its scheme's own default, as the CLI does without --quant-algorithm
+    return [(f"each scheme's default ({defaults})", ""),
+            *((f"{name} — {algorithm.description}", name) for name, algorithm in ALGORITHMS.items())]
+
+
 def quant_controls() -> tuple:
     """The Advanced tab's quantization algorithm and mixed-precision budget (recipe options, as the CLI's
     --quant-algorithm and --mixed-precision-budget) and the per-layer error map (--layer-map)."""
     import gradio as gr
 
-    from quant.algorithms import ALGORITHMS
     from quant.schemes import SCHEMES, scheme_options
 
     def schemes_taking(option: str) -> list[str]:
         return [name for name in SCHEMES if option in scheme_options(name)]
 
     with_algorithm, with_budget = schemes_taking("quant_algorithm"), schemes_taking("mixed_precision_budget")
-    defaults = ", ".join(f"{name}: {scheme_options(name)['quant_algorithm']}" for name in with_algorithm)
-    # "" leaves each recipe its scheme's own default, as the CLI does without --quant-algorithm
-    algorithm = gr.Dropdown([(f"each scheme's default ({defaults})", ""),
-                             *((f"{name} — {what}", name) for name, what in ALGORITHMS.items())],
-                            value="", label="Quantization algorithm", elem_id="quant-algorithm",
+    algorithm = gr.Dropdown(quant_algorithm_choices(), value="", label="Quantization algorithm",
+                            elem_id="quant-algorithm",
                             info=f"how int4 weights get their scales ({', '.join(with_algorithm)} recipes; "
                                  "the others ignore it)")
     budget = gr.Number(0, label="Mixed precision byte budget (0 = off)", elem_id="mixed-precision-budget",

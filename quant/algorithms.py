@@ -1,46 +1,95 @@
-"""How an int4 group-wise scheme picks its weights and qparams: the `quant_algorithm` recipe option.
+"""The int4 algorithms, one record each: how an int4 scheme picks its weights and qparams (the `quant_algorithm`
+recipe option). The schemes' choices, the whole-model or piece-by-piece path, the calibration a recipe reads,
+the memory estimate, the CLI's help and the app's dropdown all read this table; each algorithm's own code is in
+its module (quant/awq.py, quant/spinquant.py, quant/gptq.py, quant/hqq.py).
 
 Every algorithm ends in the same torchao tensors (int4 groups with one scale each), so the program, its ops
 and its bytes per token are those of `minmax`; only the numbers differ.
-  minmax     each group's scale from its absolute maximum (torchao's choose_qparams_affine)
-  hqq        HQQ's scale-only optimisation of each group's scale (torchao's HQQ_SCALE_ONLY qparams)
-  awq        activation-aware scales (torchao.prototype.awq's AWQObserver search on the calibration text, one
-             decoder layer at a time: quant/awq.py), folded into the op before each linear so the program gains
-             no op; the scaled weights then take HQQ's group scales
-  spinquant  SpinQuant's R1 (residual stream) and R2 (value/output heads) random Hadamard rotations, applied
-             with torchao.prototype.spinquant; exact in fp32, they spread outliers across a group
-  gptq       GPTQ's column-by-column error compensation against each linear's Hessian on the calibration text
-             (quant/gptq.py: torchao's GPTQ observer, a CPU loop for symmetric int4 groups)
-  awq-gptq   AWQ's scales folded in first, then GPTQ on the scaled weights
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from types import SimpleNamespace
+from dataclasses import dataclass
+from typing import Callable
 
-import torch
+from quant.awq import AWQ_SEARCH_COPIES, AwqAsBuilt, apply_awq
+from quant.calibration import CALIBRATION_TOKENS
+from quant.gptq import GPTQ_CALIBRATION_TOKENS
+from quant.spinquant import apply_spinquant
 
-from quant.awq import layer_linears
+# The qparams of an algorithm's final int4 groups, as values of torchao's IntxChooseQParamsAlgorithm.
+AFFINE = "affine"  # each group's scale from its min/max (choose_qparams_affine)
+HQQ_SCALE_ONLY = "hqq_scale_only"  # HQQ's scale-only optimisation of each group's scale (quant/hqq.py)
 
-ALGORITHMS: dict[str, str] = {
-    "minmax": "scales from each group's min/max",
-    "hqq": "HQQ scale-only qparams (torchao)",
-    "awq": "activation-aware weight scales searched on the calibration text (torchao AWQ), folded into norms, "
-           "then HQQ scale-only qparams",
-    "spinquant": "SpinQuant R1 + R2 Hadamard rotations (torchao), exact in fp32",
-    "gptq": "GPTQ error compensation on the calibration text's Hessians (torchao's observer), layer by layer",
-    "awq-gptq": "AWQ's scales (torchao) folded in, then GPTQ",
-}
-CALIBRATED = ("awq", "gptq", "awq-gptq")
-# Algorithms that begin with AWQ's scale search.
-AWQ_ALGORITHMS = ("awq", "awq-gptq")
-# Algorithms whose int4 linears GPTQ quantizes (quant/gptq.py), after their fp32 transform.
-GPTQ_ALGORITHMS = ("gptq", "awq-gptq")
-# Calibration tokens GPTQ's Hessians are taken over, when an algorithm reads more than quant.calibration's
-# default (which AWQ's search and the mixed-precision search keep to). The Hessians are as wide as the MLP: on a
-# few thousand tokens they are near singular and GPTQ fits the calibration text (docs/quantization.md).
-GPTQ_CALIBRATION_TOKENS = 8192
-ALGORITHM_CALIBRATION_TOKENS = {"gptq": GPTQ_CALIBRATION_TOKENS, "awq-gptq": GPTQ_CALIBRATION_TOKENS}
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One int4 algorithm. Which path a recipe's module takes follows from it: the module is quantized piece by
+    piece as it is built (quant.quantize.UnitQuantizer) unless the algorithm needs the whole float model."""
+
+    name: str
+    description: str  # one line: the CLI's --quant-algorithm help and the app's dropdown
+    # Its fp32 transform of the whole float module before the scheme quantizes it, in place:
+    # (module, search config, calibration windows) -> None. The search config is the torchao config a search
+    # quantizes its candidates with (quant.schemes.search_config).
+    prepare_module: Callable[..., None] | None = None
+    # The same transform made one unit at a time as models.llama.build_exportable fills the module:
+    # (search config, calibration windows) -> its transform_unit, (unit, module) -> None. Without it, an
+    # algorithm with a whole-module transform needs the whole float model.
+    prepare_by_unit: Callable[..., Callable[..., None]] | None = None
+    # fp32 copies of a decoder layer's widest linears (gate and up together) the by-unit transform holds beside
+    # the float layer it works on (recipes/memory_estimate.py)
+    unit_search_copies: int = 0
+    # Tokens of the calibration text it reads (None: not calibrated). A search, its fp32 transform's or the
+    # mixed-precision one, reads quant.calibration.CALIBRATION_TOKENS of them.
+    calibration_tokens: int | None = None
+    qparams: str = AFFINE  # of its final int4 groups
+    # GPTQ chooses the integers of its int4 linears (quant/gptq.py), layer after layer of the whole float model
+    gptq_integers: bool = False
+    groupwise_int4: bool = True  # offered by the int4 group-wise source schemes (8da4w, 8da4w-emb4, int4-weight)
+    pt2e_int4: bool = False  # offered by the PT2E int4 scheme (16a4w), whose quantizer sets the qparams
+    # Why a PT2E scheme does not offer it, when the reason is the algorithm's own ({scheme}: the scheme's name)
+    pt2e_refusal: str | None = None
+
+    def __post_init__(self):
+        if self.prepare_by_unit is not None and self.prepare_module is None:
+            raise ValueError(f"{self.name}: a by-unit transform needs its whole-module form too (mixed precision "
+                             "and PT2E schemes prepare the whole module)")
+
+    @property
+    def whole_model(self) -> bool:
+        """Needs the whole float model: its transform has no by-unit form, or GPTQ chooses its integers."""
+        return (self.prepare_module is not None and self.prepare_by_unit is None) or self.gptq_integers
+
+    @property
+    def calibrated(self) -> bool:
+        return self.calibration_tokens is not None
+
+
+# In the order the schemes offer them: the first a scheme takes is its default, chosen by measurement on the
+# built-in model (docs/quantization.md): the most faithful within the same program and bytes whose quantize time
+# stays within twice minmax's plus a minute. That is AWQ (GPTQ takes minutes), for every int4 scheme.
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    # torchao.prototype.awq's AWQObserver searches each decoder layer's scales on the calibration text
+    # (quant/awq.py); folded into the op before each linear, they add no op. They change which weights matter,
+    # not how a group's scale is fitted, so HQQ's fit still helps after them (measured on the built-in model).
+    Algorithm("awq", "activation-aware weight scales searched on the calibration text (torchao AWQ), folded into "
+                     "norms, then HQQ scale-only qparams",
+              prepare_module=apply_awq, prepare_by_unit=AwqAsBuilt, unit_search_copies=AWQ_SEARCH_COPIES,
+              calibration_tokens=CALIBRATION_TOKENS, qparams=HQQ_SCALE_ONLY, pt2e_int4=True),
+    Algorithm("hqq", "HQQ scale-only qparams (torchao)", qparams=HQQ_SCALE_ONLY),
+    Algorithm("minmax", "scales from each group's min/max", pt2e_int4=True),
+    # quant/spinquant.py; the rotations take neither a search config nor calibration
+    Algorithm("spinquant", "SpinQuant R1 + R2 Hadamard rotations (torchao), exact in fp32",
+              prepare_module=lambda module, search_config, windows: apply_spinquant(module),
+              pt2e_refusal="SpinQuant's rotations gave a larger error than minmax under {scheme}'s PT2E quantizer, "
+                           "whose 16-bit activations leave it only the weights' outliers to spread"),
+    # GPTQ's column-by-column error compensation against each linear's Hessian (quant/gptq.py)
+    Algorithm("gptq", "GPTQ error compensation on the calibration text's Hessians (torchao's observer), layer by "
+                      "layer",
+              calibration_tokens=GPTQ_CALIBRATION_TOKENS, gptq_integers=True),
+    Algorithm("awq-gptq", "AWQ's scales (torchao) folded in, then GPTQ",
+              prepare_module=apply_awq, calibration_tokens=GPTQ_CALIBRATION_TOKENS, gptq_integers=True),
+)}
 
 # Asked for, not offered on this stack, and why.
 UNAVAILABLE: dict[str, str] = {
@@ -48,148 +97,26 @@ UNAVAILABLE: dict[str, str] = {
                     "have; spinquant applies R1 and R2, which fold into the weights",
 }
 
-# Algorithms whose int4 groups end with HQQ's scales. AWQ's scales change which weights matter, not how a
-# group's scale is fitted, so HQQ's fit still helps after them (measured on the built-in model, README).
-HQQ_QPARAMS = ("hqq", "awq")
-# What AWQ's scale search quantizes each candidate with: min/max groups, because HQQ's fit inside every one
-# of its candidates would repeat the whole HQQ pass once per candidate.
-AWQ_SEARCH_QPARAMS = "minmax"
+# The algorithm of a scheme without int4 groups: its weights' qparams from their min/max, and nothing else.
+PLAIN_ALGORITHM = "minmax"
+# What a search (AWQ's) quantizes each candidate with: min/max groups, because HQQ's fit inside every one of
+# its candidates would repeat the whole HQQ pass once per candidate.
+SEARCH_QPARAMS = AFFINE
+# What a job refused for memory is pointed to: no calibration search, piece by piece.
+LIGHTEST_ALGORITHM = "hqq"
 
 
-def qparams_algorithm(algorithm: str):
-    """torchao's IntxChooseQParamsAlgorithm for an algorithm's final groups: HQQ's, or the affine min/max."""
-    from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
-        IntxChooseQParamsAlgorithm,
-    )
-
-    return IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY if algorithm in HQQ_QPARAMS else IntxChooseQParamsAlgorithm.AFFINE
+def offered_algorithms(pt2e: bool) -> tuple[str, ...]:
+    """The algorithms an int4 scheme offers (a PT2E one, or a group-wise source scheme), its default first."""
+    return tuple(name for name, algorithm in ALGORITHMS.items()
+                 if (algorithm.pt2e_int4 if pt2e else algorithm.groupwise_int4))
 
 
-# Weight elements per call of torchao's HQQ fit under hqq_by_cache_sized_rows. Its temporaries, a few fp32
-# copies of what it fits, then stay in a CPU's cache, and below malloc's mmap threshold (malloc_policy.py), so
-# they are reused from the heap rather than mapped and faulted in afresh on each of its iterations.
-HQQ_BLOCK_ELEMENTS = 1 << 17
-
-
-@contextmanager
-def hqq_by_cache_sized_rows():
-    """torchao's HQQ scale-only fit, called on a block of rows at a time inside the block.
-
-    Each of its iterations sweeps the weight several times in fp32; over a whole decoder matrix every sweep goes
-    to memory through freshly mapped temporaries, over a block of rows it stays in cache, several times faster.
-    Groups run along a row, so each block's scales and integers are those of the whole call (a test checks they
-    are equal)."""
-    from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
-
-    whole = intx._choose_qparams_and_quantize_scale_only_hqq
-
-    def by_rows(hp_tensor, block_size, qmin, qmax, **kwargs):
-        rows = max(1, HQQ_BLOCK_ELEMENTS // hp_tensor.shape[-1])
-        if hp_tensor.shape[0] <= rows:
-            return whole(hp_tensor, block_size, qmin, qmax, **kwargs)
-        parts = [whole(hp_tensor[start:start + rows], block_size, qmin, qmax, **kwargs)
-                 for start in range(0, hp_tensor.shape[0], rows)]
-        return torch.cat([qdata for qdata, _ in parts]), torch.cat([scale for _, scale in parts])
-
-    intx._choose_qparams_and_quantize_scale_only_hqq = by_rows
-    try:
-        yield
-    finally:
-        intx._choose_qparams_and_quantize_scale_only_hqq = whole
-
-
-def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> None:
-    from models.errors import UserFacingError
-
-    if algorithm in offered:
+def prepare_weights(module, algorithm: str, search_config, calibration) -> None:
+    """The algorithm's fp32 transform of the whole module before the scheme quantizes it, if it has one."""
+    record = ALGORITHMS[algorithm]
+    if record.prepare_module is None:
         return
-    from quant.schemes import SCHEMES
-
-    why = UNAVAILABLE.get(algorithm)
-    if why is None and algorithm in ALGORITHMS:
-        pt2e = SCHEMES[scheme].quantize_exported is not None and SCHEMES[scheme].int4_config is not None
-        if pt2e and algorithm == "spinquant":
-            why = (f"SpinQuant's rotations gave a larger error than minmax under {scheme}'s PT2E quantizer, whose "
-                   "16-bit activations leave it only the weights' outliers to spread")
-        elif pt2e and algorithm in GPTQ_ALGORITHMS:
-            why = (f"{scheme}'s PT2E quantizer sets the qparams from its observers after the float weights are "
-                   "fixed; GPTQ chooses the integers itself")
-        elif pt2e:
-            why = (f"the backend's PT2E quantizer sets {scheme}'s qparams from its observers; only algorithms that "
-                   "transform the float weights before it are offered")
-        else:
-            why = f"{scheme} has no int4 group-wise weights"
-    raise UserFacingError(
-        f"quant algorithm {algorithm!r} is not offered for {scheme}" + (f" ({why})" if why else "")
-        + f"; choose one of: {', '.join(offered)}."
-    )
-
-
-# The transforms below give the parameters new tensors (`.data =`), as quant/awq.py's do, and change none in
-# place: the module's weights are the loaded checkpoint's own tensors, which other recipes still read.
-
-
-@torch.no_grad()
-def fold_norm_weights(module) -> None:
-    """Every RMSNorm's weight into the linears after it, leaving a weightless norm, which R1 commutes with.
-    (torchao's own fuse_layernorm_into_linear sets the norms to one without folding, and centres the
-    embeddings, a LayerNorm step that changes an RMSNorm model.)"""
-    pairs = [(layer.input_layernorm, layer_linears(layer)["attention_in"]) for layer in module.model.layers]
-    pairs += [(layer.post_attention_layernorm, layer_linears(layer)["mlp_in"]) for layer in module.model.layers]
-    pairs += [(module.model.norm, [module.lm_head])]
-    for norm, linears in pairs:
-        for linear in linears:
-            linear.weight.data = linear.weight * norm.weight[None, :]
-        norm.weight.data = torch.ones_like(norm.weight)
-
-
-def _torchao_view(module) -> SimpleNamespace:
-    """Our Llama under the attribute names torchao.prototype.spinquant's rotations use (gpt-fast's)."""
-    shape = module.shape
-    layers = []
-    for layer in module.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attention = SimpleNamespace(wo=attn.o_proj)
-        if hasattr(attn, "qkv_proj"):
-            attention.wqkv = attn.qkv_proj
-        else:
-            attention.wq, attention.wk, attention.wv = attn.q_proj, attn.k_proj, attn.v_proj
-        layers.append(SimpleNamespace(attention=attention, feed_forward=SimpleNamespace(
-            w1=mlp.gate_proj, w3=mlp.up_proj, w2=mlp.down_proj)))
-    config = SimpleNamespace(dim=shape.n_heads * shape.head_dim, head_dim=shape.head_dim,
-                             n_local_heads=shape.n_kv_heads)
-    return SimpleNamespace(layers=layers, tok_embeddings=module.model.embed_tokens, output=module.lm_head,
-                           config=config)
-
-
-@torch.no_grad()
-def apply_spinquant(module) -> None:
-    """R1 rotates the residual stream (embeddings, every linear that reads or writes it, lm_head), R2 each
-    value head and o_proj's matching input. The residual stream between layers is then in R1's basis: it is
-    kept as `residual_rotation`, so a per-layer comparison with the fp32 model can rotate back."""
-    import contextlib
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):  # it prints a note on import; stdout is the CLI's JSON
-        from torchao.prototype.spinquant.hadamard_utils import random_hadamard_matrix
-        from torchao.prototype.spinquant.spinquant import _rotate_model_r1, apply_spinquant_r2
-
-    view = _torchao_view(module)
-    qkv_split = not hasattr(module.model.layers[0].self_attn, "qkv_proj")
-    fold_norm_weights(module)
-    rotation = random_hadamard_matrix(module.shape.hidden, "cpu")
-    _rotate_model_r1(view, rotation, qkv_split=qkv_split)
-    apply_spinquant_r2(view, "cpu", qkv_split=qkv_split)
-    module.residual_rotation = rotation.to(torch.float32)
-
-
-def prepare_weights(module, algorithm: str, weight_config, calibration: list[torch.Tensor] | None) -> None:
-    """The fp32 transform an algorithm makes before quantize_ (none for minmax, hqq and gptq)."""
-    if algorithm in AWQ_ALGORITHMS:
-        if not calibration:
-            raise ValueError(f"{algorithm} needs calibration windows")
-        from quant.awq import apply_awq
-
-        apply_awq(module, weight_config, calibration)
-    elif algorithm == "spinquant":
-        apply_spinquant(module)
+    if record.calibrated and not calibration:
+        raise ValueError(f"{algorithm} needs calibration windows")
+    record.prepare_module(module, search_config, list(calibration or ()))

@@ -22,9 +22,9 @@ CALIBRATION_TEXT = Path(__file__).resolve().parent / "calibration_text.txt"
 CALIBRATION_TEXT_SOURCE = ("The Declaration of Independence (United States, 1776), full text, then Lewis Carroll, "
                            "Alice's Adventures in Wonderland (1865), chapters I-XII (Project Gutenberg eBook #11); "
                            "public domain")
-# The tokens AWQ's per-input scale search and the mixed-precision search read (GPTQ reads more:
-# quant.algorithms.ALGORITHM_CALIBRATION_TOKENS): enough for their searches, few enough that they stay a small
-# part of quantizing.
+# The tokens AWQ's per-input scale search and the mixed-precision search read (GPTQ reads more: its
+# calibration_tokens in quant/algorithms.py): enough for their searches, few enough that they stay a small part
+# of quantizing.
 CALIBRATION_TOKENS = 512
 
 

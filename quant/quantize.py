@@ -4,18 +4,42 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Callable, ContextManager
 
-from quant.algorithms import ALGORITHM_CALIBRATION_TOKENS, AWQ_ALGORITHMS, CALIBRATED
+from models.errors import UserFacingError
+from quant.algorithms import ALGORITHMS, UNAVAILABLE
 from quant.calibration import CALIBRATION_TOKENS, calibration_windows, describe_calibration
-from quant.schemes import SCHEMES, awq_search_config, prepare_for_scheme, quant_args
+from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
+from quant.schemes import SCHEMES, apply_scheme_by_rows, prepare_for_scheme, quant_args, search_config
+
+
+def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> None:
+    """Refuses an algorithm the scheme does not offer, saying why when that is known."""
+    if algorithm in offered:
+        return
+    why = UNAVAILABLE.get(algorithm)
+    record = ALGORITHMS.get(algorithm)
+    spec = SCHEMES[scheme]
+    if why is None and record is not None:
+        if spec.int4_config is None:
+            why = f"{scheme} has no int4 group-wise weights"
+        elif spec.quantize_exported is not None and record.pt2e_refusal:
+            why = record.pt2e_refusal.format(scheme=scheme)
+        elif spec.quantize_exported is not None and record.gptq_integers:
+            why = (f"{scheme}'s PT2E quantizer sets the qparams from its observers after the float weights are "
+                   "fixed; GPTQ chooses the integers itself")
+        elif spec.quantize_exported is not None:
+            why = (f"the backend's PT2E quantizer sets {scheme}'s qparams from its observers; only algorithms that "
+                   "transform the float weights before it are offered")
+    raise UserFacingError(
+        f"quant algorithm {algorithm!r} is not offered for {scheme}" + (f" ({why})" if why else "")
+        + f"; choose one of: {', '.join(offered)}."
+    )
 
 
 def check_options(scheme: str, options: dict) -> None:
     """Refuses an algorithm or budget the scheme does not take, before the checkpoint is loaded."""
-    from models.errors import UserFacingError
-    from quant.algorithms import check_algorithm
-
     spec = SCHEMES[scheme]
     algorithm = options.get("quant_algorithm")
     if algorithm is not None:
@@ -37,24 +61,21 @@ def recipe_algorithm(scheme: str, options: dict) -> str:
 
 def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: int) -> tuple[dict, dict]:
     """In place. Returns (report section, seconds by part)."""
-    from dataclasses import replace
-
-    from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
-
     spec = SCHEMES[scheme]
-    algorithm = recipe_algorithm(scheme, options)
+    name = recipe_algorithm(scheme, options)
+    algorithm = ALGORITHMS[name]
     budget = float(options.get("mixed_precision_budget") or 0.0)
     seconds: dict = {}
-    section: dict = {"scheme": scheme, "algorithm": algorithm if spec.int4_config else None}
+    section: dict = {"scheme": scheme, "algorithm": name if spec.int4_config else None}
     windows = searched = []
-    if algorithm in CALIBRATED or budget:
-        tokens = ALGORITHM_CALIBRATION_TOKENS.get(algorithm, CALIBRATION_TOKENS)
+    if algorithm.calibrated or budget:
+        tokens = algorithm.calibration_tokens or CALIBRATION_TOKENS
         windows = calibration_windows(tokenizer, max_seq_len, tokens)
-        # AWQ's search and the mixed-precision search read the default count, however many GPTQ reads
-        searches = algorithm in AWQ_ALGORITHMS or budget
+        # a search (the fp32 transform's, the mixed-precision one) reads the default count, however many GPTQ reads
+        searches = algorithm.prepare_module is not None or budget
         searched = calibration_windows(tokenizer, max_seq_len) if searches and tokens != CALIBRATION_TOKENS else windows
         section["calibration"] = describe_calibration(windows, searched)
-    args = quant_args(scheme, options.get("group_size"), algorithm, windows)
+    args = quant_args(scheme, options.get("group_size"), name, windows)
     started = time.perf_counter()
     prepare_for_scheme(module, scheme, replace(args, calibration=tuple(searched)))
     seconds["quant_algorithm"] = round(time.perf_counter() - started, 3)
@@ -75,21 +96,21 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
 
 
 def quantizes_by_unit(scheme: str, options: dict) -> bool:
-    """minmax and hqq quantize each weight on its own, and AWQ searches a decoder layer from the hidden states
-    entering it, so the module can be quantized piece by piece as it is built (one piece in float at a time);
-    SpinQuant, GPTQ and mixed precision look at the whole float model."""
+    """Whether the module can be quantized piece by piece as it is built (one piece in float at a time): each
+    weight is quantized on its own, and the algorithm's fp32 transform, if any, has a by-unit form (AWQ searches
+    a decoder layer from the hidden states entering it). An algorithm that needs the whole float model
+    (SpinQuant's rotations, GPTQ) and mixed precision take the whole module."""
     spec = SCHEMES[scheme]
     budget = float(options.get("mixed_precision_budget") or 0.0)
-    algorithm = recipe_algorithm(scheme, options)
-    return spec.apply is not None and spec.layerwise and algorithm not in WHOLE_MODEL_ALGORITHMS and not budget
+    algorithm = ALGORITHMS[recipe_algorithm(scheme, options)]
+    return spec.apply is not None and spec.layerwise and not algorithm.whole_model and not budget
 
 
-WHOLE_MODEL_ALGORITHMS = ("spinquant", "gptq", "awq-gptq")
-
-
-def by_unit_awq(scheme: str, options: dict) -> bool:
-    """Whether the scheme quantizes by unit with AWQ's search on each decoder layer (UnitQuantizer)."""
-    return quantizes_by_unit(scheme, options) and recipe_algorithm(scheme, options) in AWQ_ALGORITHMS
+def transforms_by_unit(scheme: str, options: dict) -> bool:
+    """Whether the scheme quantizes by unit with its algorithm's fp32 transform made on each unit (UnitQuantizer)."""
+    algorithm = ALGORITHMS[recipe_algorithm(scheme, options)]
+    return (quantizes_by_unit(scheme, options) and SCHEMES[scheme].int4_config is not None
+            and algorithm.prepare_by_unit is not None)
 
 
 class UnitQuantizer:
@@ -98,40 +119,39 @@ class UnitQuantizer:
 
     def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int,
                  around_search: Callable[[], ContextManager] = contextlib.nullcontext):
-        from quant.awq import AwqAsBuilt
-
+        if not quantizes_by_unit(scheme, options):
+            raise ValueError(f"{scheme} with {options} quantizes the whole float module: use quantize_module")
         self.scheme, self.group_size = scheme, options.get("group_size")
         self.algorithm = recipe_algorithm(scheme, options)
         self.calibration = None
-        self.awq = None
-        self._awq_seconds = 0.0
-        # entered around each decoder layer's search: the caller's heap policy (the search's candidates come
-        # back at the same sizes, so what it frees can be reused and returned before the next unit)
+        self.transform = None
+        self._transform_seconds = 0.0
+        # entered around the transform of each unit (AWQ's search of a decoder layer): the caller's heap policy
+        # (the search's candidates come back at the same sizes, so what it frees can be reused and returned
+        # before the next unit)
         self.around_search = around_search
-        if by_unit_awq(scheme, options):
-            windows = calibration_windows(tokenizer, max_seq_len)
-            self.calibration = describe_calibration(windows)
-            self.awq = AwqAsBuilt(awq_search_config(scheme, self.group_size), windows)
+        if transforms_by_unit(scheme, options):
+            algorithm = ALGORITHMS[self.algorithm]
+            windows = calibration_windows(tokenizer, max_seq_len) if algorithm.calibrated else []
+            if algorithm.calibrated:
+                self.calibration = describe_calibration(windows)
+            self.transform = algorithm.prepare_by_unit(search_config(scheme, self.group_size), windows)
 
     def __call__(self, unit, module) -> None:
-        from quant.schemes import apply_scheme_by_rows
-
-        if self.awq is not None:
+        if self.transform is not None:
             started = time.perf_counter()
             with self.around_search():
-                self.awq(unit, module)
-            self._awq_seconds += time.perf_counter() - started
+                self.transform(unit, module)
+            self._transform_seconds += time.perf_counter() - started
         apply_scheme_by_rows(unit, self.scheme, self.group_size, algorithm=self.algorithm)
 
     @property
     def seconds(self) -> dict:
-        """Seconds by part, as quantize_module returns them: the time AWQ's search added."""
-        return {"quant_algorithm": round(self._awq_seconds, 3)} if self.awq is not None else {}
+        """Seconds by part, as quantize_module returns them: the time the algorithm's transform added."""
+        return {"quant_algorithm": round(self._transform_seconds, 3)} if self.transform is not None else {}
 
     def section(self, module) -> dict:
         """The report section of the module it quantized."""
-        from quant.mixed_precision import linear_weight_bytes
-
         spec = SCHEMES[self.scheme]
         section = {"scheme": self.scheme, "algorithm": self.algorithm if spec.int4_config else None}
         if self.calibration is not None:

@@ -8,6 +8,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from models.errors import UserFacingError
+from models.llama import LlamaShape
+from quant.algorithms import AFFINE, ALGORITHMS, PLAIN_ALGORITHM, SEARCH_QPARAMS, offered_algorithms, prepare_weights
+from quant.gptq import apply_gptq
+from quant.hqq import hqq_by_cache_sized_rows
+from quant.mixed_precision import in_units
 from quant.pt2e import quantize_pt2e
 
 
@@ -20,10 +26,9 @@ class Scheme:
     description: str
     apply: Callable[[nn.Module, "QuantArgs"], None] | None = None  # in place
     default_group_size: int | None = None
-    # quant_algorithm choices (quant/algorithms.py), the default first
-    algorithms: tuple[str, ...] = ("minmax",)
     mixed_precision: bool = False  # takes the mixed_precision_budget option (8da8w layers)
-    # (group size, algorithm) -> the torchao config of its int4 linears, which calibrated algorithms simulate
+    # (group size, qparams) -> the torchao config of its int4 linears, which a search quantizes its candidates
+    # with; None: the scheme has no int4 weights an algorithm acts on
     int4_config: Callable | None = None
     # quant.pt2e.quantize_pt2e: (program, calibration inputs, the backend's quantizer factory, static tokens,
     # max_seq_len) -> (quantized ExportedProgram to lower, the converted module whose eager run simulates it)
@@ -40,11 +45,18 @@ class Scheme:
     # half-precision scheme never holds an fp32 copy of the model.
     module_dtype: torch.dtype = torch.float32
 
+    @property
+    def algorithms(self) -> tuple[str, ...]:
+        """The quant_algorithm choices (quant/algorithms.py), the default first."""
+        if self.int4_config is None:
+            return (PLAIN_ALGORITHM,)
+        return offered_algorithms(pt2e=self.quantize_exported is not None)
+
 
 @dataclass(frozen=True)
 class QuantArgs:
     group_size: int = 0
-    algorithm: str = "minmax"
+    algorithm: str = PLAIN_ALGORITHM
     calibration: tuple = ()  # token windows [1, T] for calibrated algorithms
     units_8bit: tuple[str, ...] = ()  # decoder layers or the output layer, by name, whose linears stay at 8da8w
 
@@ -68,14 +80,21 @@ def quantize_embeddings(module: nn.Module, bits: int) -> None:
     quantize_(module, IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerAxis(0)), filter_fn=_is_embedding)
 
 
-def config_8da4w(group_size: int, algorithm: str = "minmax"):
+def _torchao_qparams(qparams: str):
+    """torchao's IntxChooseQParamsAlgorithm of that value (quant.algorithms.AFFINE, HQQ_SCALE_ONLY)."""
+    from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+        IntxChooseQParamsAlgorithm,
+    )
+
+    return IntxChooseQParamsAlgorithm(qparams)
+
+
+def config_8da4w(group_size: int, qparams: str = AFFINE):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerGroup
 
-    from quant.algorithms import qparams_algorithm
-
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
-                                                 intx_choose_qparams_algorithm=qparams_algorithm(algorithm))
+                                                 intx_choose_qparams_algorithm=_torchao_qparams(qparams))
 
 
 def config_8da8w():
@@ -99,52 +118,43 @@ def int4_weight_with_scales(activation_quantization: str | None):
     return make
 
 
-def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = "minmax",
+def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = PLAIN_ALGORITHM,
                            units_8bit: tuple[str, ...] = (), calibration: tuple = ()) -> None:
     """int4 linears, except those of `units_8bit` (module names, e.g. "model.layers.3", "lm_head"), which take
     8da8w."""
     from torchao.quantization import quantize_
 
-    from quant.algorithms import GPTQ_ALGORITHMS, hqq_by_cache_sized_rows
-    from quant.gptq import apply_gptq
-    from quant.mixed_precision import in_units
-
     if units_8bit:
         quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and in_units(fqn, units_8bit))
-    if algorithm in GPTQ_ALGORITHMS:
+    if ALGORITHMS[algorithm].gptq_integers:
         apply_gptq(module, list(calibration), group_size, int4_weight_with_scales("int8_asym_per_token"))
         return
     with hqq_by_cache_sized_rows():
-        quantize_(module, config_8da4w(group_size, algorithm),
+        quantize_(module, config_8da4w(group_size, ALGORITHMS[algorithm].qparams),
                   filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
 
 
-def config_weight_only(bits: int, group_size: int | None, algorithm: str = "minmax"):
+def config_weight_only(bits: int, group_size: int | None, qparams: str = AFFINE):
     from torchao.quantization import IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
-
-    from quant.algorithms import qparams_algorithm
 
     granularity = PerGroup(group_size) if group_size else PerAxis(0)
     dtype = {8: torch.int8, 4: torch.int4}[bits]
     return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity,
-                                intx_choose_qparams_algorithm=qparams_algorithm(algorithm))
+                                intx_choose_qparams_algorithm=_torchao_qparams(qparams))
 
 
 def quantize_linears_weight_only(module: nn.Module, bits: int, group_size: int | None,
-                                 algorithm: str = "minmax", calibration: tuple = ()) -> None:
+                                 algorithm: str = PLAIN_ALGORITHM, calibration: tuple = ()) -> None:
     """Weight-only linears (activations stay float): torchao leaves dequantize_affine + linear in the
     graph, for a backend that takes the pair whole and stores compressed weights (int4 block-wise, int8 per channel)."""
     from torchao.quantization import quantize_
 
-    from quant.algorithms import GPTQ_ALGORITHMS, hqq_by_cache_sized_rows
-    from quant.gptq import apply_gptq
-
-    if algorithm in GPTQ_ALGORITHMS:
+    if ALGORITHMS[algorithm].gptq_integers:
         apply_gptq(module, list(calibration), group_size, int4_weight_with_scales(None))
         return
     with hqq_by_cache_sized_rows():
-        quantize_(module, config_weight_only(bits, group_size, algorithm), filter_fn=_is_linear)
+        quantize_(module, config_weight_only(bits, group_size, ALGORITHMS[algorithm].qparams), filter_fn=_is_linear)
 
 
 def _int4_weight(module: nn.Module, args: QuantArgs) -> None:
@@ -181,11 +191,6 @@ def _fp16(module: nn.Module, args: QuantArgs) -> None:
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
 
 
-# The default first, chosen by measurement on the built-in model (docs/quantization.md): the most faithful
-# within the same program and bytes whose quantize time stays within twice minmax's plus a minute. That is AWQ
-# (GPTQ takes minutes), for every int4 scheme.
-INT4_ALGORITHMS = ("awq", "hqq", "minmax", "spinquant", "gptq", "awq-gptq")
-PT2E_INT4_ALGORITHMS = ("awq", "minmax")
 PT2E_INT4_BLOCK = 32
 
 SCHEMES: dict[str, Scheme] = {
@@ -197,19 +202,18 @@ SCHEMES: dict[str, Scheme] = {
             "int8 dynamic activations, int4 group-wise weights on linears; 8-bit embeddings",
             _8da4w,
             default_group_size=32,
-            algorithms=INT4_ALGORITHMS,
             mixed_precision=True,
             int4_config=config_8da4w,
             module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 1.0),
         ),
         Scheme("int4-weight", "int4 weight-only linears, group-wise (block 32); float activations",
-               _int4_weight, default_group_size=32, algorithms=INT4_ALGORITHMS,
-               int4_config=lambda group_size, algorithm: config_weight_only(4, group_size, algorithm),
+               _int4_weight, default_group_size=32,
+               int4_config=lambda group_size, qparams: config_weight_only(4, group_size, qparams),
                module_bytes=(1 + 5 / 32, 4.0), pte_bytes=(0.5 + 2 / 32, 4.0)),
         Scheme("int8-weight", "int8 weight-only linears, per output channel; float activations", _int8_weight,
                module_bytes=(1.0, 4.0), pte_bytes=(1.0, 4.0)),
         Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32,
-               algorithms=INT4_ALGORITHMS, mixed_precision=True, int4_config=config_8da4w,
+               mixed_precision=True, int4_config=config_8da4w,
                module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
                module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
@@ -220,8 +224,8 @@ SCHEMES: dict[str, Scheme] = {
         # before it is transform the float weights: AWQ's scales, searched against symmetric int4 blocks of 32,
         # the weights the quantizer makes.
         Scheme("16a4w", "PT2E, calibrated: 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer",
-               quantize_exported=quantize_pt2e, layerwise=False, algorithms=PT2E_INT4_ALGORITHMS,
-               int4_config=lambda group_size, algorithm: config_weight_only(4, PT2E_INT4_BLOCK)),
+               quantize_exported=quantize_pt2e, layerwise=False,
+               int4_config=lambda group_size, qparams: config_weight_only(4, PT2E_INT4_BLOCK)),
         Scheme("16a8w", "PT2E, calibrated: 16-bit activations, 8-bit per-channel weights",
                quantize_exported=quantize_pt2e, layerwise=False),
         Scheme("8a8w", "PT2E, calibrated: 8-bit activations, 8-bit per-channel weights",
@@ -237,19 +241,16 @@ def quant_args(scheme: str, group_size: int | None = None, algorithm: str | None
                      tuple(units_8bit))
 
 
-def awq_search_config(scheme: str, group_size: int | None = None):
-    """The torchao config AWQ's search quantizes each candidate with: the scheme's int4 groups, min/max scales."""
-    from quant.algorithms import AWQ_SEARCH_QPARAMS
-
-    return SCHEMES[scheme].int4_config(quant_args(scheme, group_size).group_size, AWQ_SEARCH_QPARAMS)
+def search_config(scheme: str, group_size: int | None = None):
+    """The torchao config an algorithm's search (AWQ's) quantizes each candidate with: the scheme's int4 groups,
+    min/max scales."""
+    return SCHEMES[scheme].int4_config(quant_args(scheme, group_size).group_size, SEARCH_QPARAMS)
 
 
 def prepare_for_scheme(module: nn.Module, scheme: str, args: QuantArgs) -> None:
     """The fp32 transform of the scheme's algorithm (AWQ's scales, SpinQuant's rotations), before quantize_."""
-    from quant.algorithms import prepare_weights
-
     if SCHEMES[scheme].int4_config is not None:
-        prepare_weights(module, args.algorithm, awq_search_config(scheme, args.group_size), args.calibration)
+        prepare_weights(module, args.algorithm, search_config(scheme, args.group_size), args.calibration)
 
 
 def apply_scheme(module: nn.Module, scheme: str, group_size: int | None = None, algorithm: str | None = None,
@@ -320,8 +321,6 @@ GROUP_SIZES = (32, 64, 128, 256)
 
 def check_group_size(scheme: str, group_size: int | None) -> None:
     """Refuses a group size before the checkpoint is even loaded."""
-    from models.errors import UserFacingError
-
     if group_size is None or SCHEMES[scheme].default_group_size is None:
         return
     if group_size not in GROUP_SIZES:
@@ -332,8 +331,6 @@ def check_group_size(scheme: str, group_size: int | None) -> None:
 
 def linear_input_dims(config) -> dict[str, int]:
     """Input width of every linear of a Llama, by role: what a weight group must divide."""
-    from models.llama import LlamaShape
-
     shape = LlamaShape.from_config(config)
     return {"q/k/v/gate/up/lm_head": shape.hidden, "o_proj": shape.n_heads * shape.head_dim,
             "down_proj": shape.intermediate}
@@ -341,8 +338,6 @@ def linear_input_dims(config) -> dict[str, int]:
 
 def check_group_size_fits(scheme: str, group_size: int | None, config) -> None:
     """Refuses, before quantizing, a group size that does not divide every linear's input width."""
-    from models.errors import UserFacingError
-
     spec = SCHEMES[scheme]
     if spec.default_group_size is None:
         return

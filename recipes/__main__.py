@@ -26,8 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--group-size", type=int, default=None, help="weight quantization group size")
-    run.add_argument("--quant-algorithm", default=None,
-                     help="how int4 weights get their qparams: minmax, hqq, awq, spinquant, gptq, awq-gptq (see `list`)")
+    run.add_argument("--quant-algorithm", default=None, help=quant_algorithm_help())
     run.add_argument("--mixed-precision-budget", type=float, default=None,
                      help="keep at 8da8w the linears (of the decoder layers, and the output layer) that bring "
                           "the logits closest to fp32 per byte, within this extra fraction of weight bytes per "
@@ -47,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--etrecord", action="store_true",
                      help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
     return parser
+
+
+def quant_algorithm_help() -> str:
+    """--quant-algorithm's help: every algorithm of the table with its one-line description."""
+    from quant.algorithms import ALGORITHMS  # loads torch: called from main, after the thread policy
+
+    described = "; ".join(f"{name}: {algorithm.description}" for name, algorithm in ALGORITHMS.items())
+    return f"how int4 weights get their qparams (each scheme's default: see `list`). {described}".replace("%", "%%")
 
 
 def list_recipes() -> str:

@@ -41,13 +41,6 @@ PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
 # quantizing with an algorithm that looks at the whole float model (SpinQuant, GPTQ, mixed precision;
 # quant/quantize.py): the float module built whole, and the calibration passes' activations and searches, over it.
 WHOLE_MODEL_TRANSIENT = 1.0
-# AWQ piece by piece (quant/awq.py): what its search on a decoder layer holds, in fp32 copies of the linears
-# reading the layer's widest input (gate and up concatenated): torchao's observer concatenates them, and each
-# candidate scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to the peak of
-# an export-only job at Llama-3.2-1B's shape.
-AWQ_SEARCH_COPIES = 15
-# The algorithm a refused job is pointed to when its own needs more: no calibration search, piece by piece.
-LIGHTEST_ALGORITHM = "hqq"
 
 
 @dataclass(frozen=True)
@@ -174,8 +167,9 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
               reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
               eval_tokens: list[int] | None = None) -> JobEstimate:
     from models.llama import LlamaShape
+    from quant.algorithms import ALGORITHMS
     from quant.calibration import CALIBRATION_TOKENS
-    from quant.quantize import by_unit_awq, quantizes_by_unit
+    from quant.quantize import quantizes_by_unit, recipe_algorithm, transforms_by_unit
     from quant.schemes import SCHEMES
 
     w = _weights(config)
@@ -212,11 +206,12 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         needed_later = key is not None and key in keys[index + 1:]
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
         recipe_options = (options or {}).get(recipe.name, {})
-        if by_unit_awq(recipe.quantization, recipe_options):
-            # beside the module so far: one float decoder layer and its search's copies
+        if transforms_by_unit(recipe.quantization, recipe_options):
+            # beside the module so far: one float decoder layer and the copies its transform's search holds
+            copies = ALGORITHMS[recipe_algorithm(recipe.quantization, recipe_options)].unit_search_copies
             shape = LlamaShape.from_config(config)
             widest = shape.hidden * 2 * shape.intermediate
-            quantize = max(quantize, before + module + (w.per_layer + AWQ_SEARCH_COPIES * widest) * 4)
+            quantize = max(quantize, before + module + (w.per_layer + copies * widest) * 4)
         if scheme.apply is not None and not quantizes_by_unit(recipe.quantization, recipe_options):
             built = w.linears + w.output + w.embedding  # the module's weights, the tied output layer its own copy
             float_module = built * torch.finfo(scheme.module_dtype).bits // 8
@@ -291,6 +286,7 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
         alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget, options, eval_tokens).peak_rss_bytes
                  for r in recipes}
         choices.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
+    from quant.algorithms import LIGHTEST_ALGORITHM
     from quant.schemes import SCHEMES
 
     lightest = {r.name: {"quant_algorithm": LIGHTEST_ALGORITHM} for r in recipes

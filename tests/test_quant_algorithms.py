@@ -25,9 +25,9 @@ def random_llama():
 def _calibration(random_llama, algorithm):
     """GPTQ reads the whole calibration text, more tokens than its Hessians (up to 256 wide here) are wide:
     ten windows. The others read one."""
-    from quant.algorithms import GPTQ_ALGORITHMS
+    from quant.algorithms import ALGORITHMS
 
-    if algorithm not in GPTQ_ALGORITHMS:
+    if not ALGORITHMS[algorithm].gptq_integers:
         return random_llama[3]
     generator = torch.Generator().manual_seed(2)
     return tuple(torch.randint(0, 300, (1, 60), generator=generator) for _ in range(10))
@@ -114,12 +114,12 @@ def test_awq_is_no_worse_than_minmax_under_the_pt2e_16a4w_quantizer(random_llama
 
 
 def test_hqq_fits_a_block_of_rows_at_a_time_with_the_result_of_one_whole_fit(monkeypatch):
-    """quantize_linears_8da4w calls torchao's HQQ fit once per block of rows (quant.algorithms.
-    hqq_by_cache_sized_rows); the integers and scales it makes are those of one call on the whole matrix."""
+    """quantize_linears_8da4w calls torchao's HQQ fit once per block of rows (quant.hqq.hqq_by_cache_sized_rows);
+    the integers and scales it makes are those of one call on the whole matrix."""
     from torch import nn
     from torchao.quantization.quantize_.workflows.intx import intx_unpacked_to_int8_tensor as intx
 
-    import quant.algorithms as algorithms
+    import quant.hqq as hqq
     from quant.schemes import quantize_linears_8da4w
 
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def test_hqq_fits_a_block_of_rows_at_a_time_with_the_result_of_one_whole_fit(mon
         return whole(hp_tensor, *args, **kwargs)
 
     monkeypatch.setattr(intx, "_choose_qparams_and_quantize_scale_only_hqq", counting)
-    monkeypatch.setattr(algorithms, "HQQ_BLOCK_ELEMENTS", 300 * 256)
+    monkeypatch.setattr(hqq, "HQQ_BLOCK_ELEMENTS", 300 * 256)
     module = nn.Sequential(nn.Linear(256, 1000, bias=False))
     module[0].weight.data.copy_(weight)
     quantize_linears_8da4w(module, 32, "hqq")
@@ -158,14 +158,14 @@ def test_pt2e_scheme_refuses_hqq_and_spinquant_with_why():
 def test_weight_transforms_keep_the_fp32_function_and_the_checkpoint(random_llama, algorithm):
     """AWQ's folded scales and SpinQuant's rotations are exact in fp32, and leave the loaded weights alone."""
     from models.llama import ExportOptions, build_exportable
-    from quant.algorithms import prepare_weights
+    from quant.algorithms import ALGORITHMS, prepare_weights
     from quant.schemes import config_8da4w
 
     config, state_dict, tokens, calibration = random_llama
     before = {k: v.clone() for k, v in state_dict.items()}
     reference = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
     module = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
-    prepare_weights(module, algorithm, config_8da4w(32, algorithm), calibration)
+    prepare_weights(module, algorithm, config_8da4w(32, ALGORITHMS[algorithm].qparams), calibration)
     with torch.no_grad():
         expected = reference(tokens, torch.tensor([0]))
         assert torch.allclose(module(tokens, torch.tensor([0])), expected, atol=1e-4)
@@ -264,8 +264,8 @@ def test_gptq_reads_its_own_calibration_tokens_and_the_searches_the_default(tiny
     """GPTQ's Hessians need many more tokens than they are wide; AWQ's search and the mixed-precision search,
     which run the model once per candidate, keep to the default count. The report says which read what."""
     from models.llama import build_exportable
-    from quant.algorithms import GPTQ_CALIBRATION_TOKENS
     from quant.calibration import CALIBRATION_TOKENS
+    from quant.gptq import GPTQ_CALIBRATION_TOKENS
     from quant.quantize import quantize_module
     from recipes.registry import get_recipe
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from recipes import thread_policy
 from models.errors import UserFacingError
-
 from models.prompting import prompt_token_ids, stop_token_ids
+from recipes import thread_policy
+from recipes.pte_program import delegate_ids
+from recipes.registry import backend_for_delegate
+from recipes.report import Generation
 
 # Engines, as they appear in reports and the UI.
 ENGINE_RUNTIME = "executorch-runtime"
@@ -21,23 +22,6 @@ ENGINE_EAGER_FP32 = "eager-fp32"
 ENGINE_EAGER_QUANTIZED = "eager-quantized"
 
 DEFAULT_PROMPT = "What is the capital of France?"
-
-
-@dataclass
-class Generation:
-    engine: str
-    prompt: str
-    text: str
-    prompt_tokens: int
-    new_tokens: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    tokens: list[int] = field(default_factory=list)  # the new token ids, stop token included
-    # the dtype the engine keeps its weights in, when it computes in another (models/compute_dtype.py)
-    weights_dtype: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
@@ -170,16 +154,12 @@ def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()
 
 def _runs_on(delegate_id: str) -> str:
     """Where a delegate's programs run, from the registered backend of that delegate id."""
-    from recipes.registry import backend_for_delegate
-
     backend = backend_for_delegate(delegate_id)
     return backend.runs_on if backend is not None else "a runtime built with that backend"
 
 
 def delegate_backends(pte: Path | bytes) -> list[str]:
     """Backend ids of the delegates in a .pte, read from its flatbuffer."""
-    from recipes.pte_program import delegate_ids
-
     return delegate_ids(pte)
 
 

@@ -1,12 +1,16 @@
 """report.json as typed sections (recipes/report.py): files written before the report was typed load and write back
-unchanged."""
+unchanged, a job's report round-trips, the file is the report's one serialization, and the job's summary crosses
+a process boundary as plain data."""
 import json
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from recipes.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, StageError,
-                            load_report, summary_rows)
+from recipes.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
+                            StageError, load_report, summary_rows)
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_REPORTS = sorted(DATA.glob("report_*.json"))
@@ -66,3 +70,27 @@ def test_a_failed_measurement_is_its_error_alone():
     assert Fidelity.from_dict(failed.to_dict()) == failed
     no_map = LayerMap(error=StageError("layer_map", "the graph has no decoder layers"))
     assert no_map.to_dict() == {"error": {"stage": "layer_map", "message": "the graph has no decoder layers"}}
+
+
+def test_a_jobs_report_round_trips_and_is_the_file_on_disk(runner_llama_run):
+    folder, report = runner_llama_run
+    assert isinstance(report.generations[1], RunnerGeneration) and report.profile is not None
+    assert Report.from_dict(report.to_dict()) == report
+    written = json.loads((folder / "report.json").read_text())
+    assert written == report.to_dict()
+    assert Report.from_dict(written, strict=True) == report
+
+
+def test_the_summary_unpickles_where_torch_is_not_loaded(runner_llama_run, tmp_path):
+    """The app gets the summary from the job's process through a queue: plain data, read without torch."""
+    _folder, report = runner_llama_run
+    summary = JobSummary(report.model, report.generations[0], [report])
+    path = tmp_path / "summary.pickle"
+    path.write_bytes(pickle.dumps(summary))
+    assert pickle.loads(path.read_bytes()) == summary
+    code = ("import pickle, sys; summary = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(summary.recipes[0].recipe.name, 'torch' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    shown = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert shown == ["xnnpack-fp32", "False"]

@@ -60,7 +60,7 @@ def test_a_users_own_omp_num_threads_is_left_alone():
 
 
 def test_too_late_once_torch_is_loaded():
-    code = ("import os, torch, thread_policy; print(thread_policy.limit_openmp_default(), "
+    code = ("import os, torch; from recipes import thread_policy; print(thread_policy.limit_openmp_default(), "
             "os.environ.get('OMP_NUM_THREADS'), os.environ.get(thread_policy.POLICY_MARK))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
                             timeout=300)
@@ -73,7 +73,7 @@ def test_too_late_once_torch_is_loaded():
 ])
 def test_entry_points_apply_it_before_torch_loads(entry):
     # the mark is set only when the default could still be set, that is, before torch was loaded
-    code = f"{entry}\nimport os, sys, thread_policy\nprint(os.environ.get(thread_policy.POLICY_MARK))"
+    code = f"{entry}\nimport os, sys\nfrom recipes import thread_policy\nprint(os.environ.get(thread_policy.POLICY_MARK))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

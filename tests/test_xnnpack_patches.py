@@ -93,7 +93,7 @@ from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from contextlib import nullcontext
 from recipes import generate, lowering
-from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
+from recipes.backends.xnnpack import BACKEND, patched, xnnpack_partitioners
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
 torch.manual_seed(0)
@@ -104,7 +104,7 @@ for mode in sys.argv[1:]:
         context = nullcontext
         lowering._skip_redundant_decomposition = lambda partitioners: None  # ExecuTorch's three decompositions
     elif mode == "patched-same-order":
-        context = lambda: xnnpack_patches.patched(reorder_partitions=False)
+        context = lambda: patched(reorder_partitions=False)
     options = ExportOptions(max_seq_len=64, attention=BACKEND.attention, norm=BACKEND.norm, fuse_qkv=BACKEND.fuse_qkv)
     module = build_exportable(config, weights, options)
     apply_scheme(module, "8da4w", algorithm="hqq")

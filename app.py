@@ -13,9 +13,16 @@ import os
 import sys
 from pathlib import Path
 
+# Only modules that leave torch unloaded are imported here: main() must call thread_policy.limit_openmp_default()
+# before torch loads, so the modules that load it are imported inside the functions that use them.
 from models.errors import UserFacingError
+from models.hub import check_repo_id
 from recipes import thread_policy
 from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
+from recipes.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
+from recipes.publish import SHIPPED_FILES, push_to_hub
+from recipes.report import JobSummary, Report, RunnerGeneration, summary_rows
+from zoo import entries as zoo
 
 ROOT = Path(__file__).resolve().parent
 BUILTIN, HUB, LOCAL = "Built-in SmolLM2-135M-Instruct", "Hugging Face Hub repo", "Local path"
@@ -55,8 +62,6 @@ def backend_option_defaults(grouped: dict[str, list]) -> dict[tuple[str, str], o
 
 
 def choose_model(source: str, hub_repo: str, local_path: str) -> str | None:
-    from models.hub import check_repo_id
-
     if source == HUB:
         if not (hub_repo or "").strip():
             raise UserFacingError("type a Hub repo id, e.g. 'HuggingFaceTB/SmolLM2-135M-Instruct'.")
@@ -71,11 +76,11 @@ def choose_model(source: str, hub_repo: str, local_path: str) -> str | None:
     return None
 
 
-def op_rows(summary: dict) -> list[dict]:
+def op_rows(summary: JobSummary) -> list[dict]:
     rows = []
-    for report in summary["recipes"]:
-        for op in (report.get("delegation") or {}).get("ops", []):
-            rows.append({"backend": report["recipe"]["backend"], "recipe": report["recipe"]["name"], **op})
+    for report in summary.recipes:
+        for op in report.delegation.ops if report.delegation else []:
+            rows.append({"backend": report.recipe.backend, "recipe": report.recipe.name, **op})
     return rows
 
 
@@ -97,26 +102,26 @@ def delegation_frame(rows: list[dict]):
     return pd.DataFrame(long, columns=["recipe", "nodes", "kind"])
 
 
-def generation_columns(summary: dict) -> str:
+def generation_columns(summary: JobSummary) -> str:
     """fp32 eager first, then one column per recipe; a failed recipe shows its error in its own column."""
-    if summary["reference"] is None:
+    if summary.reference is None:
         return '<div class="lb-engine">Lower only: no sample generations were asked for.</div>'
-    columns = [("fp32 reference", summary["reference"], None, None)]
-    for report in summary["recipes"]:
-        generated = [g for g in report["generations"] if g != summary["reference"]]
-        error = report["errors"][0]["message"] if report["errors"] else None
-        columns.append((report["recipe"]["name"], generated[0] if generated else None, error,
-                        report.get("runner_note")))
+    columns = [("fp32 reference", summary.reference, None, None)]
+    for report in summary.recipes:
+        generated = [g for g in report.generations if g != summary.reference]
+        error = report.errors[0].message if report.errors else None
+        columns.append((report.recipe.name, generated[0] if generated else None, error, report.runner_note))
     cells = []
     for title, generation, error, runner_note in columns:
         body = []
         if generation:
-            runner_stats = (f' · load {generation["model_load_ms"]} ms · first token '
-                            f'{generation["time_to_first_token_ms"]} ms' if "model_load_ms" in generation else "")
-            body.append(f'<div class="lb-engine">{html.escape(generation["engine"])} · '
-                        f'{generation["decode_tokens_per_s"]} tok/s decode · '
-                        f'{generation["prefill_tokens_per_s"]} tok/s prefill{runner_stats}</div>')
-            body.append(f'<div class="lb-text">{html.escape(generation["text"])}</div>')
+            runner_stats = (f' · load {generation.model_load_ms} ms · first token '
+                            f'{generation.time_to_first_token_ms} ms' if isinstance(generation, RunnerGeneration)
+                            else "")
+            body.append(f'<div class="lb-engine">{html.escape(generation.engine)} · '
+                        f'{generation.decode_tokens_per_s} tok/s decode · '
+                        f'{generation.prefill_tokens_per_s} tok/s prefill{runner_stats}</div>')
+            body.append(f'<div class="lb-text">{html.escape(generation.text)}</div>')
         if runner_note:  # the step loop's generation is shown instead, labelled with its engine
             body.append(f'<div class="lb-engine">{html.escape(runner_note)}</div>')
         if error:
@@ -125,13 +130,11 @@ def generation_columns(summary: dict) -> str:
     return f'<div class="lb-cols">{"".join(cells)}</div>'
 
 
-def download_files(summary: dict) -> list[str]:
-    from recipes.publish import SHIPPED_FILES
-
+def download_files(summary: JobSummary) -> list[str]:
     files = []
-    for report in summary["recipes"]:
-        if report.get("pte"):
-            recipe_dir = Path(report["pte"]["path"]).parent
+    for report in summary.recipes:
+        if report.pte:
+            recipe_dir = Path(report.pte.path).parent
             files += [str(recipe_dir / name) for name in SHIPPED_FILES if (recipe_dir / name).is_file()]
     return files
 
@@ -230,15 +233,16 @@ def quant_controls() -> tuple:
     return algorithm, budget, layer_map
 
 
-def layer_map_line(report: dict) -> str:
+def layer_map_line(report: Report) -> str:
     """Which engine made a recipe's per-layer map, or why it has none."""
-    name, fidelity = report["recipe"]["name"], report.get("fidelity") or {}
-    found = fidelity.get("layers")
-    if found and "error" in found:
-        return f"- **{name}**: no map: {found['error']['message']}"
+    name, fidelity = report.recipe.name, report.fidelity
+    found = fidelity.layers if fidelity else None
+    if found and found.error:
+        return f"- **{name}**: no map: {found.error.message}"
     if found:
-        return f"- **{name}**: {found['engine']}, {found['method']} ({len(found['layers'])} layers)"
-    why = report.get("generation_note") or (fidelity.get("error") or {}).get("message") or "no fidelity was measured"
+        return f"- **{name}**: {found.engine}, {found.method} ({len(found.layers)} layers)"
+    why = (report.generation_note or (fidelity.error.message if fidelity and fidelity.error else None)
+           or "no fidelity was measured")
     return f"- **{name}**: no map: {why}"
 
 
@@ -249,7 +253,6 @@ def layer_map_panel(recipe_dirs_state, asked, finished_event) -> None:
     import pandas as pd
 
     from recipes.layer_map import sqnr_chart_rows
-    from recipes.profile_view import read_reports
 
     with gr.Column(visible=False) as panel:
         gr.Markdown("### Error per decoder layer against fp32")
@@ -259,8 +262,8 @@ def layer_map_panel(recipe_dirs_state, asked, finished_event) -> None:
 
     def show(recipe_dirs, asked_for):
         reports = read_reports(recipe_dirs)
-        maps = [(r.get("fidelity") or {}).get("layers") or {} for r in reports]
-        by = sorted({m["engine"] for m in maps if "engine" in m})
+        maps = [r.fidelity.layers for r in reports if r.fidelity and r.fidelity.layers]
+        by = sorted({m.engine for m in maps if m.error is None})
         frame = pd.DataFrame(sqnr_chart_rows(reports), columns=["recipe", "layer", "sqnr_db"])
         order = [str(i) for i in sorted(set(frame["layer"]))]
         frame["layer"] = frame["layer"].astype(str)  # one tick per layer, in layer order
@@ -276,8 +279,6 @@ def profile_panel(recipe_dirs_state, finished_event) -> None:
     report.json of each recipe folder in `recipe_dirs_state` (recipe -> folder)."""
     import gradio as gr
 
-    from recipes.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
-
     gr.Markdown("### Where a decode step's time goes (ExecuTorch runtime, ETDump)")
     summary = gr.Markdown()
     chart = gr.BarPlot(x="op", y="ms_per_step", color="kind", sort="-y", x_label_angle=-30,
@@ -289,8 +290,7 @@ def profile_panel(recipe_dirs_state, finished_event) -> None:
     def show(recipe_dirs):
         reports = read_reports(recipe_dirs)
         rows = profile_rows(reports)
-        choices = ["all", *dict.fromkeys(r["recipe"]["backend"] for r in reports),
-                   *(r["recipe"]["name"] for r in reports)]
+        choices = ["all", *dict.fromkeys(r.recipe.backend for r in reports), *(r.recipe.name for r in reports)]
         return (profile_summary(reports), decode_bars(rows), gr.Dropdown(choices=choices, value="all"),
                 profile_table(rows, "all"), rows)
 
@@ -304,8 +304,6 @@ def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_
     fields, preselects its recommended recipes and shows their measured figures (data: zoo/entries.py)."""
     import gradio as gr
     import pandas as pd
-
-    from zoo import entries as zoo
 
     entries, cells = zoo.load_entries(), zoo.read_results()
 
@@ -358,7 +356,7 @@ def lower_page() -> dict:
     import pandas as pd
 
     from recipes.generate import DEFAULT_PROMPT
-    from recipes.run import RunRequest, summary_rows, user_options
+    from recipes.request import RunRequest, user_options
 
     grouped = backends()
     all_recipes = [r.name for recipes in grouped.values() for r in recipes]
@@ -393,10 +391,10 @@ def lower_page() -> dict:
             raise gr.Error(str(err), print_exception=False) from None
         rows = summary_rows(summary)
         ops = op_rows(summary)
-        finished = [r["recipe"]["name"] for r in summary["recipes"] if r.get("pte")]
+        finished = [r.recipe.name for r in summary.recipes if r.pte]
         failed = [r for r in rows if r["error"]]
         status = f"Job `{job.name}`: {len(rows) - len(failed)} of {len(rows)} recipes finished."
-        dirs = {r["recipe"]["name"]: str(Path(r["pte"]["path"]).parent) for r in summary["recipes"] if r.get("pte")}
+        dirs = {r.recipe.name: str(Path(r.pte.path).parent) for r in summary.recipes if r.pte}
         return (
             status, pd.DataFrame(rows), delegation_frame(rows),
             filter_ops(ops, "all"),
@@ -414,8 +412,6 @@ def lower_page() -> dict:
 
     def push(recipe, repo_name, private, token, dirs, oauth_token: gr.OAuthToken | None = None,
              request: gr.Request = None):
-        from recipes.publish import push_to_hub
-
         session = request.session_hash if request is not None else None
         try:
             if not recipe or recipe not in (dirs or {}):

@@ -31,11 +31,15 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench import front, scale, table
+from bench import versions as versions_phase
 from bench.checkpoints import builtin_gguf, hf_folder
+from bench.front import ALGORITHMS as front_algorithms, MIXED_ALGORITHMS as front_mixed
 from bench.measure import median, run_measured
-from bench.runner import summarize_runner
+from bench.memory import decode_weight_bytes_per_token
+from bench.runner import LONG_ANSWER_PROMPT, summarize_runner
 from bench.scale import PEER_ALGORITHM, RECIPE
-from bench import table
+from recipes.report import load_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -143,8 +147,6 @@ def phase_decode(args, hf: Path) -> dict:
     for name in args.skip:
         skipped.setdefault(name, "skipped with --skip")
     runs = run_interleaved("decode", {name: cmd for name, cmd in engines.items() if cmd}, args.runs, log_dir)
-    from bench.memory import decode_weight_bytes_per_token
-
     return {"skipped": skipped, "runs": runs,
             "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
                          "greedy": True, "eos_ignored": True,
@@ -170,8 +172,6 @@ def phase_runner(args, hf: Path) -> dict:
     """ExecuTorch's LLM runner on Lowerbench's and optimum's xnnpack 8da4w .pte, and the Python step loop
     (bench/decode.py) on the same two files: same prompt, token count and threads, interleaved run by run.
     The runner loads Lowerbench's tokenizer.json for both: optimum-cli writes none."""
-    from bench.runner import LONG_ANSWER_PROMPT
-
     log_dir = TMP / "logs"
     common = ["--hf", str(hf), "--prompt", LONG_ANSWER_PROMPT, "--new-tokens", str(args.new_tokens),
               "--threads", str(args.threads)]
@@ -265,7 +265,7 @@ def phase_export(args, hf: Path) -> dict:
             record.update(peer=name, run=i, timeout_s=args.export_timeout)
             if name.startswith("lowerbench"):
                 report = out / "report.json"
-                record["timings_s"] = json.loads(report.read_text())["timings_s"] if report.is_file() else None
+                record["timings_s"] = load_report(report).timings.to_dict() if report.is_file() else None
             pte = next(iter(sorted(out.glob("*.pte"))), None)
             record["pte_bytes"] = pte.stat().st_size if pte else None
             runs.append(record)
@@ -324,7 +324,7 @@ def phase_breakdown(args, hf: Path) -> dict:
     """The xnnpack-8da4w program with one part taken out at a time (bench/breakdown.py), each exported in
     its own process, then timed together with the full program and optimum's .pte, one process per
     rotation of the load order."""
-    from bench.breakdown import ABLATIONS
+    from bench.breakdown import ABLATIONS  # loads torch, which the driver leaves to its child processes
 
     log_dir, out_dir = TMP / "logs", TMP / "breakdown"
     exports, specs = [], []
@@ -360,8 +360,6 @@ def phase_breakdown(args, hf: Path) -> dict:
         record = run_measured(cmd, log_dir / f"breakdown-floor-{shift}.log", cwd=ROOT)
         floors.append({"returncode": record["returncode"], "result": record["result"]})
         _progress(f"breakdown kernel floor {shift}: rc {record['returncode']}, {record['wall_s']} s")
-    from bench.memory import decode_weight_bytes_per_token
-
     return {"exports": exports, "timings": timings, "floors": floors, "skipped": skipped, "runs": [],
             "decode_weight_bytes_per_token": decode_weight_bytes_per_token(hf),
             "what_each_lacks": {name: lacks for name, (lacks, _ablation) in ABLATIONS.items()},
@@ -390,7 +388,7 @@ def summarize_floor(data: dict, engines: dict) -> dict | None:
     """The full program's step split into the two ExecuTorch kernels both .pte call (custom_sdpa and
     update_cache, measured by taking both out at once) and Lowerbench's own part; that part against the floor
     of XNNPACK's kernels for its delegated work; the kernels' own probe (bench/floor.py) beside them; and optimum's step for comparison."""
-    from bench.floor import floor_ms
+    from bench.floor import floor_ms  # loads torch, which the driver leaves to its child processes
 
     results = [f["result"] for f in data.get("floors", []) if f["returncode"] == 0 and f["result"]]
     full_export = next((e for e in data.get("exports", []) if e["variant"] == "full" and e.get("delegated_work")), None)
@@ -422,32 +420,22 @@ def _progress(message: str) -> None:
 
 
 def phase_scale(args, hf: Path) -> dict:
-    from bench import scale
-
     return scale.phase_scale(args, TMP, PY, ROOT, optimum_export_cmd, optimum_available(), _progress)
 
 
 def summarize_scale(data: dict) -> dict:
-    from bench import scale
-
     return scale.summarize_scale(data)
 
 
 def phase_versions(args, hf: Path) -> dict:
-    from bench import versions
-
-    return versions.phase_versions(args, TMP, PY, ROOT, _progress)
+    return versions_phase.phase_versions(args, TMP, PY, ROOT, _progress)
 
 
 def summarize_versions(data: dict) -> dict:
-    from bench import versions
-
-    return versions.summarize_versions(data)
+    return versions_phase.summarize_versions(data)
 
 
 def phase_front(args, hf: Path) -> dict:
-    from bench import front
-
     def save(partial: dict) -> None:
         meta = {**args.phase_meta, "load_average_after": load_average()}
         save_phase("front", meta, json.loads(json.dumps(partial)))
@@ -456,8 +444,6 @@ def phase_front(args, hf: Path) -> dict:
 
 
 def summarize_front(data: dict) -> dict:
-    from bench import front
-
     return front.summarize_front(data)
 
 
@@ -472,12 +458,10 @@ PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase
 def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
     """The scale phase fills in shape by shape, and with --peers peer by peer: the runs this invocation did not
     measure stay (other shapes' runs, and with --peers the other peers' runs of its shapes)."""
-    from bench.scale import peer_of_engine
-
     measured, peers = set(result["settings"]["shapes"]), set(meta.get("peers") or [])
     stays = lambda r, peer: r["shape"] not in measured or bool(peers and peer not in peers)
     kept = {"runs": [r for r in old.get("runs", []) if stays(r, r["peer"])],
-            "decode": [r for r in old.get("decode", []) if stays(r, peer_of_engine(r["engine"]))]}
+            "decode": [r for r in old.get("decode", []) if stays(r, scale.peer_of_engine(r["engine"]))]}
     if kept["runs"] or kept["decode"]:
         result["runs"] = kept["runs"] + result["runs"]
         result["decode"] = kept["decode"] + result["decode"]
@@ -505,17 +489,13 @@ def save_phase(name: str, meta: dict, result: dict) -> None:
     if name == "scale" and path.is_file():
         keep_other_shapes(json.loads(path.read_text()), meta, result)
     if name == "front" and path.is_file():
-        from bench.front import keep_unmeasured
-
-        keep_unmeasured(json.loads(path.read_text()), meta, result)
+        front.keep_unmeasured(json.loads(path.read_text()), meta, result)
     data = {"meta": meta, **result}
     data.update(summarize(data))
     path.write_text(json.dumps(data, indent=2))
 
 
 def main() -> None:
-    from bench.front import ALGORITHMS as front_algorithms, MIXED_ALGORITHMS as front_mixed
-
     parser = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median); default 3")
     parser.add_argument("--phases", default="decode,export,scaling")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.measure import median, run_measured
 from bench.scale import RECIPE, checkpoint_folder, decode_cmd, lowerbench_cmd
+from recipes.report import Report, load_report
 
 ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
 # the algorithms that also get a job with the most sensitive linears at 8 bits, at this group and budget
@@ -42,7 +43,7 @@ def fitting_group_sizes(config: dict, candidates) -> list[int]:
     """The candidate group sizes that divide every linear's input width of a Llama config, in the given order."""
     from transformers import LlamaConfig
 
-    from quant.schemes import linear_input_dims
+    from quant.schemes import linear_input_dims  # loads torch, which bench's driver needs only here
 
     widths = linear_input_dims(LlamaConfig(**config)).values()
     return [g for g in candidates if all(width % g == 0 for width in widths)]
@@ -75,15 +76,16 @@ def job_options(job: dict, full: bool) -> tuple[str, ...]:
             *(["--mixed-precision-budget", str(budget)] if budget else []), *(["--no-profile"] if full else []))
 
 
-def report_extract(report: dict) -> dict:
+def report_extract(report: Report) -> dict:
     """What the front keeps of a job's report.json."""
-    fidelity = {k: v for k, v in (report.get("fidelity") or {}).items() if k != "layers"}
-    return {"quantization": report.get("quantization"), "fidelity": fidelity or None,
-            "generations": [{k: v for k, v in g.items() if k not in ("tokens", "pieces")}
-                            for g in report.get("generations") or []],
-            "timings_s": report.get("timings_s"), "pte_bytes": (report.get("pte") or {}).get("bytes"),
-            "options": (report.get("recipe") or {}).get("options"), "versions": report.get("versions"),
-            "errors": report.get("errors")}
+    fidelity = {k: v for k, v in report.fidelity.to_dict().items() if k != "layers"} if report.fidelity else None
+    return {"quantization": report.quantization.to_dict() if report.quantization else None,
+            "fidelity": fidelity or None,
+            "generations": [{k: v for k, v in g.to_dict().items() if k not in ("tokens", "pieces")}
+                            for g in report.generations],
+            "timings_s": report.timings.to_dict(), "pte_bytes": report.pte.bytes if report.pte else None,
+            "options": report.recipe.options if report.recipe else None, "versions": report.versions,
+            "errors": [e.to_dict() for e in report.errors]}
 
 
 def run_job(shape: str, folder: Path | None, job: dict, full: bool, args, tmp: Path, py: str, root: Path) -> dict:
@@ -94,7 +96,7 @@ def run_job(shape: str, folder: Path | None, job: dict, full: bool, args, tmp: P
     record = run_measured(cmd, tmp / "logs" / f"front-{shape}-{name}.log", cwd=root, timeout_s=args.export_timeout)
     report = out / "report.json"
     record.update(shape=shape, full_job=full, **job,
-                  report=report_extract(json.loads(report.read_text())) if report.is_file() else None,
+                  report=report_extract(load_report(report)) if report.is_file() else None,
                   pte=str(out / "model.pte"))
     return record
 

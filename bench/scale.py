@@ -13,8 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
+from bench.checkpoints import hf_folder
 from bench.measure import paired_ratio_by_run, run_measured
 from bench.runner import RUNNER
+from bench.scale_models import CONFIGS, make_checkpoint, parameter_count
+from recipes.report import Report, load_report
 
 SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
 RECIPE = "xnnpack-8da4w"
@@ -31,9 +34,6 @@ def peer_of_engine(engine: str) -> str:
 
 
 def checkpoint_folder(name: str, cache: Path) -> Path:
-    from bench.checkpoints import hf_folder
-    from bench.scale_models import make_checkpoint
-
     return hf_folder() if name == "smollm2-135m" else make_checkpoint(name, cache / name)
 
 
@@ -44,6 +44,7 @@ def config_of(name: str, folder: Path) -> dict:
 def export_only_estimate_gb(config: dict, recipes: list[str], generate: bool = False) -> float:
     from transformers import LlamaConfig
 
+    # these load torch, which bench's driver needs only here
     from recipes.memory_estimate import estimate_job
     from recipes.registry import get_recipe
 
@@ -59,6 +60,14 @@ def lowerbench_cmd(py: str, folder: Path | None, out: Path, recipe: str, max_seq
             "--max-seq-len", str(max_seq_len), *options, *([] if full else ["--export-only"]), "--out", str(out)]
 
 
+def report_figures(report: Report) -> dict:
+    """What a scale run keeps of its job's report.json."""
+    return {"timings_s": report.timings.to_dict(), "memory": report.memory.to_dict() if report.memory else None,
+            "pte_bytes": report.pte.bytes if report.pte else None, "errors": [e.to_dict() for e in report.errors],
+            "generations": [g.to_dict() for g in report.generations],
+            "fidelity": report.fidelity.to_dict() if report.fidelity else None}
+
+
 def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_not, progress) -> dict:
     cache = Path(args.scale_dir)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -67,8 +76,6 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
     for shape in shapes:
         if shape not in SHAPES:
             raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-        from bench.scale_models import CONFIGS
-
         config = CONFIGS.get(shape)
         if config is not None:
             estimate = export_only_estimate_gb(config, [RECIPE])
@@ -88,12 +95,10 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{peer.replace(' ', '-')}-{i}.log", cwd=root,
                                       timeout_s=args.export_timeout)
                 report = out / "report.json"
-                data = json.loads(report.read_text()) if report.is_file() else {}
                 record.update(shape=shape, peer=peer, recipe=recipe, full_job=full, run=i, config=config,
                               estimate_gb=export_only_estimate_gb(config, [recipe], full),
-                              timings_s=data.get("timings_s"), memory=data.get("memory"),
-                              pte_bytes=(data.get("pte") or {}).get("bytes"), errors=data.get("errors"),
-                              generations=data.get("generations"), fidelity=data.get("fidelity"))
+                              **(report_figures(load_report(report)) if report.is_file() else dict.fromkeys(
+                                  ("timings_s", "memory", "pte_bytes", "errors", "generations", "fidelity"))))
                 runs.append(record)
                 progress(f"scale {shape} {peer} run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB, "
                          f"rc {record['returncode']}")
@@ -189,8 +194,6 @@ def in_runner(engine: str) -> str:
 
 
 def params_of(data: dict, shape: str) -> int | None:
-    from bench.scale_models import parameter_count
-
     config = next((r["config"] for r in data["runs"] if r["shape"] == shape and r.get("config")), None)
     return parameter_count(config) if config else None
 

@@ -5,13 +5,13 @@ its own .pte on its own ExecuTorch runtime (bench/decode.py). Ratios are this in
 within each run."""
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from pathlib import Path
 
 from bench.measure import median, paired_ratio_by_run, run_measured
 from bench.scale import RECIPE, checkpoint_folder, lowerbench_cmd
+from recipes.report import load_report
 
 MAX_SEQ_LEN = 512
 CURRENT, BASELINE = "current", "baseline"
@@ -48,7 +48,8 @@ def phase_versions(args, tmp: Path, py: str, root: Path, progress) -> dict:
                                       timeout_s=args.export_timeout)
                 report = out / "report.json"
                 pte = out / "model.pte"
-                stage_peaks = json.loads(report.read_text())["memory"]["peak_rss_mb_by_stage"] if report.is_file() else None
+                memory = load_report(report).memory if report.is_file() else None
+                stage_peaks = memory.peak_rss_mb_by_stage if memory else None
                 record.update(shape=shape, install=name, run=i, stage_peak_rss_mb=stage_peaks,
                               pte_bytes=pte.stat().st_size if pte.is_file() else None)
                 exports.append(record)

@@ -7,8 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from recipes import thread_policy
 from models.errors import UserFacingError
+from recipes import thread_policy
+from recipes.report import summary_rows
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,8 +58,9 @@ def quant_algorithm_help() -> str:
 
 
 def list_recipes() -> str:
+    # these load torch, which main() lets load only after thread_policy.limit_openmp_default()
     from recipes.registry import compatibility_table, load_backends
-    from recipes.run import recipe_defaults
+    from recipes.request import recipe_defaults
 
     registry = load_backends()
     lines = [f"{'recipe':<18} {'backend':<9} {'quantization':<14} description"]
@@ -81,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(list_recipes())
         return 0
+    # torch loads here, after thread_policy.limit_openmp_default()
     from recipes.generate import DEFAULT_PROMPT
-    from recipes.run import RunRequest, recipe_option_pairs, run, summary_rows, user_options
+    from recipes.request import RunRequest, recipe_option_pairs, user_options
+    from recipes.run import run
 
     try:
         options = {**recipe_option_pairs(args.option),
@@ -108,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     print(json.dumps(summary_rows(summary), indent=2))
-    failed = [r for r in summary["recipes"] if r["errors"]]
+    failed = [report for report in summary.recipes if report.errors]
     for report in failed:
-        print(f"error: {report['recipe']['name']}: {report['errors'][0]['message']}", file=sys.stderr)
+        print(f"error: {report.recipe.name}: {report.errors[0].message}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -7,10 +7,13 @@ windows of at most max_seq_len tokens, each from position 0, and the program ret
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+
+from recipes.report import Fidelity, Heldout
 
 EVAL_TEXT = Path(__file__).resolve().parent.parent / "quant" / "eval_text.txt"
 EVAL_TEXT_SOURCE = "Jane Austen, Pride and Prejudice (1813), chapter 1 opening; public domain"
@@ -117,17 +120,46 @@ def compare_step(step: Callable, ids: list[int], max_seq_len: int, reference: to
     return distance.figures()
 
 
-def fidelity_report(engine: str, scheme: str, figures: dict, positions: int) -> dict:
+def fidelity_report(engine: str, scheme: str, figures: dict, positions: int) -> Fidelity:
     target = TARGETS.get(scheme)
-    return {
-        "engine": engine,
-        "text": f"quant/eval_text.txt ({EVAL_TEXT_SOURCE})",
-        "positions": positions,
-        **figures,
-        "target": target[0] if target else None,
-        "meets_target": bool(target[1](figures)) if target else None,
-    }
+    return Fidelity(engine=engine, text=f"quant/eval_text.txt ({EVAL_TEXT_SOURCE})", positions=positions, **figures,
+                    target=target[0] if target else None,
+                    meets_target=bool(target[1](figures)) if target else None)
 
 
-def heldout_report(figures: dict, positions: int) -> dict:
-    return {"text": f"quant/{HELDOUT_TEXT.name} ({HELDOUT_TEXT_SOURCE})", "positions": positions, **figures}
+def heldout_report(figures: dict, positions: int) -> Heldout:
+    return Heldout(text=f"quant/{HELDOUT_TEXT.name} ({HELDOUT_TEXT_SOURCE})", positions=positions, **figures)
+
+
+@dataclass
+class ScoredText:
+    """A text as the reference scored it: its token ids, the reference's logits and the next tokens they predict."""
+    ids: list[int]
+    logits: torch.Tensor
+    targets: torch.Tensor
+
+
+def score_text(step: Callable, ids: list[int], max_seq_len: int) -> ScoredText:
+    return ScoredText(ids, sequence_logits(step, ids, max_seq_len), targets_of(ids, max_seq_len))
+
+
+@dataclass
+class EvalReference:
+    """What a job's recipes are measured against: the reference engine's scores on both texts and, for the layer
+    map, each decoder layer's output on the evaluation text."""
+    engine: str
+    eval: ScoredText
+    heldout: ScoredText
+    layers: list[torch.Tensor] | None = None
+
+
+def recipe_fidelity(step: Callable, engine: str, scheme: str, max_seq_len: int, reference: EvalReference) -> Fidelity:
+    """The fidelity section of a recipe whose model `step` runs on `engine`, without its layer map."""
+    scored = reference.eval
+    found = fidelity_report(engine, scheme, compare_step(step, scored.ids, max_seq_len, scored.logits, scored.targets),
+                            len(scored.targets))
+    heldout = reference.heldout
+    found.heldout = heldout_report(
+        compare_step(step, heldout.ids, max_seq_len, heldout.logits, heldout.targets), len(heldout.targets))
+    found.reference_engine = reference.engine
+    return found

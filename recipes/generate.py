@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +14,7 @@ from models.prompting import prompt_token_ids, stop_token_ids
 from recipes import thread_policy
 from recipes.pte_program import delegate_ids
 from recipes.registry import backend_for_delegate
+from recipes.report import Generation
 
 # Engines, as they appear in reports and the UI.
 ENGINE_RUNTIME = "executorch-runtime"
@@ -22,23 +22,6 @@ ENGINE_EAGER_FP32 = "eager-fp32"
 ENGINE_EAGER_QUANTIZED = "eager-quantized"
 
 DEFAULT_PROMPT = "What is the capital of France?"
-
-
-@dataclass
-class Generation:
-    engine: str
-    prompt: str
-    text: str
-    prompt_tokens: int
-    new_tokens: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    tokens: list[int] = field(default_factory=list)  # the new token ids, stop token included
-    # the dtype the engine keeps its weights in, when it computes in another (models/compute_dtype.py)
-    weights_dtype: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)

@@ -3,6 +3,8 @@ TextLLMRunner, llama_main) and in ExecuTorch's Android and iOS demo apps, plus t
 since every one of them takes raw text. Facts from executorch 1.5.1 and meta-pytorch/executorch-examples."""
 from __future__ import annotations
 
+from recipes.report import RecipeInfo, Report
+
 # Chat formats the demo apps know, by a token their templates use: (Android LlamaDemo model type,
 # etLLM file-name prefix; etLLM picks its prompt format from the .pte's name).
 _APP_FORMATS = {
@@ -11,22 +13,23 @@ _APP_FORMATS = {
 }
 
 
-def how_to_run(report: dict, chat_template: str | None) -> list[str]:
-    recipe, metadata = report["recipe"], report.get("llm_metadata") or {}
+def how_to_run(report: Report, chat_template: str | None) -> list[str]:
+    recipe = report.recipe
+    metadata = report.llm_metadata.to_dict() if report.llm_metadata else {}
     lines = ["## How to run", "",
              "The files: `model.pte` (the program, with the metadata methods ExecuTorch's LLM runners read: "
              + ", ".join(f"`{k}`={v}" for k, v in metadata.items())
              + "), `tokenizer.json` (what the runners load), `tokenizer_config.json` (the chat template) and "
              "`report.json`.", ""]
-    if report.get("runtime_note"):
-        lines += [f"Where it runs: {report['runtime_note']}.", ""]
-    if (recipe.get("options") or {}).get("device_runner"):
-        lines += [f"Device runner: {recipe['options']['device_runner']}", ""]
+    if report.runtime_note:
+        lines += [f"Where it runs: {report.runtime_note}.", ""]
+    if recipe.options.get("device_runner"):
+        lines += [f"Device runner: {recipe.options['device_runner']}", ""]
     lines += _python(recipe) + _llama_main() + _apps(chat_template) + _template(chat_template)
     return lines
 
 
-def _python(recipe: dict) -> list[str]:
+def _python(recipe: RecipeInfo) -> list[str]:
     return ["### Python: ExecuTorch's TextLLMRunner (in the `executorch` wheel)", "", "```python",
             "import torch  # loads libtorch, which the runner links against",
             "from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  llama::custom_sdpa, update_cache",
@@ -42,7 +45,7 @@ def _python(recipe: dict) -> list[str]:
             '                token_callback=lambda piece: print(piece, end="", flush=True),',
             "                stats_callback=lambda stats: print(stats.to_json_string()))",
             "```", "",
-            f"Lowerbench ran exactly these lines' runner on this folder where a `{recipe['backend']}` program runs on its "
+            f"Lowerbench ran exactly these lines' runner on this folder where a `{recipe.backend}` program runs on its "
             "host; its answer and statistics are under Sample generations (engine `executorch-llm-runner`).", ""]
 
 

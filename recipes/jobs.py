@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from models.errors import UserFacingError
+from recipes.report import JobSummary
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def new_job_dir() -> Path:
 
 def _job_process(request, messages, cancel_flag) -> None:
     """Runs in the job's own process: run() with progress sent back and the UI's cancel relayed."""
-    from recipes.run import run  # in the job's process only: the server's own process never loads torch
+    from recipes.run import run  # loads torch: app.py imports this module before its thread policy is set
 
     cancel = threading.Event()
     threading.Thread(target=lambda: (cancel_flag.wait(), cancel.set()), daemon=True).start()
@@ -98,8 +99,9 @@ CANCEL_GRACE_S = 3.0  # how long a cancelled job may take to reach a stage bound
 _CANCELS_LOCK = threading.Lock()
 
 
-def run_job(request, session: str, progress) -> dict:
-    """run() in a fresh process; raises UserFacingError with run()'s message when it fails."""
+def run_job(request, session: str, progress) -> JobSummary:
+    """run() in a fresh process; raises UserFacingError with run()'s message when it fails. The summary comes back
+    pickled through a queue, so everything in it is plain data (recipes/report.py)."""
     context = multiprocessing.get_context("spawn")
     messages, cancel_flag = context.Queue(), context.Event()
     with _CANCELS_LOCK:

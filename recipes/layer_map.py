@@ -11,6 +11,7 @@ import torch
 from quant.layer_error import eager_layer_outputs, in_reference_basis, layer_errors
 from recipes.generate import load_runtime_method
 from recipes.lowering import export_program, lower_for_backend
+from recipes.report import LayerMap, Report
 
 
 def windows_of(ids: list[int], max_seq_len: int) -> list[torch.Tensor]:
@@ -50,8 +51,8 @@ def runtime_layer_outputs(module, recipe, options: dict, windows: list[torch.Ten
 
 
 def layer_map(engine: str, module, recipe, options: dict, reference: list[torch.Tensor],
-              windows: list[torch.Tensor], max_seq_len: int, on_runtime: bool) -> dict:
-    """fidelity.layers: {engine, method, layers: [{layer, sqnr_db, relative_error}]}."""
+              windows: list[torch.Tensor], max_seq_len: int, on_runtime: bool) -> LayerMap:
+    """fidelity.layers: the engine, how the outputs were read, and rows {layer, sqnr_db, relative_error}."""
     if on_runtime:
         outputs = runtime_layer_outputs(module, recipe, options, windows, max_seq_len)
         method = "ExecuTorch intermediate_output_tap on the lowered program, run on the runtime"
@@ -60,15 +61,15 @@ def layer_map(engine: str, module, recipe, options: dict, reference: list[torch.
     else:
         outputs = eager_layer_outputs(module, windows)
         method = "eager forward hooks on the quantized module"
-    return {"engine": engine, "method": method, "layers": layer_errors(reference, outputs)}
+    return LayerMap(engine=engine, method=method, layers=layer_errors(reference, outputs))
 
 
-def sqnr_chart_rows(reports: list[dict]) -> list[dict]:
+def sqnr_chart_rows(reports: list[Report]) -> list[dict]:
     """Long-form rows {recipe, layer, sqnr_db} for a line chart of SQNR per layer, one line per recipe
     (the app's gr.LinePlot takes these as a table)."""
     rows = []
     for report in reports:
-        layers = ((report.get("fidelity") or {}).get("layers") or {}).get("layers") or []
-        rows += [{"recipe": report["recipe"]["name"], "layer": row["layer"], "sqnr_db": row["sqnr_db"]}
-                 for row in layers if row["sqnr_db"] is not None]
+        found = report.fidelity.layers if report.fidelity else None
+        rows += [{"recipe": report.recipe.name, "layer": row["layer"], "sqnr_db": row["sqnr_db"]}
+                 for row in (found.layers if found else []) if row["sqnr_db"] is not None]
     return rows

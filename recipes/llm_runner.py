@@ -9,13 +9,12 @@ import json
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes import thread_policy
 from models.errors import UserFacingError
 from models.prompting import prompt_text, prompt_token_ids, stop_token_ids
-from recipes.generate import Generation
+from recipes import thread_policy
+from recipes.report import RunnerGeneration
 
 ENGINE_LLM_RUNNER = "executorch-llm-runner"
 
@@ -26,14 +25,6 @@ _KERNEL_MODULES = ("executorch.extension.llm.custom_ops.custom_ops", "executorch
 
 class RunnerFailed(UserFacingError):
     """The runner could not load or run a file; the message is one line for the report."""
-
-
-@dataclass
-class RunnerGeneration(Generation):
-    model_load_ms: int | None = None
-    time_to_first_token_ms: int | None = None
-    pieces: list[str] = field(default_factory=list)  # the text of each new token, as the runner emitted it
-    prompt_note: str | None = None  # set when the runner's prompt tokens differ in number from the step loop's
 
 
 def generate_with_runner(pte: Path, tokenizer_json: Path, tokenizer, prompt: str, max_new_tokens: int,
@@ -87,6 +78,20 @@ def generate_with_runner(pte: Path, tokenizer_json: Path, tokenizer, prompt: str
         prompt_note=None if figures["prompt_tokens"] == expected else
         f"the runner tokenized the prompt to {figures['prompt_tokens']} tokens, the step loop feeds {expected}",
     )
+
+
+def runner_generation(pte: Path, tokenizer_json: Path, tokenizer, prompt: str, max_new_tokens: int,
+                      temperature: float = 0.0, eos_token_ids=(), runtime_imports: tuple[str, ...] = ()
+                      ) -> tuple[RunnerGeneration | None, str | None]:
+    """generate_with_runner, or (None, why not) when the runner cannot take the file: a report's runner_note.
+    The runner's failure must not withhold the step loop's generation or the files."""
+    try:
+        return generate_with_runner(pte, tokenizer_json, tokenizer, prompt, max_new_tokens, temperature,
+                                    eos_token_ids, runtime_imports), None
+    except RunnerFailed as err:
+        return None, str(err)
+    except Exception as err:
+        return None, f"ExecuTorch's LLM runner failed: {type(err).__name__}: {err}"
 
 
 def _rate(tokens: int, milliseconds: int) -> float:

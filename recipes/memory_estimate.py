@@ -150,7 +150,7 @@ def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
     With generation, the eager reference computes in fp32 on the checkpoint's own weights (a half-precision
     checkpoint's matrices stay in its dtype, models/compute_dtype.py) when that fits in `budget_bytes` (default:
     this host's, see memory_budget), else in the checkpoint's own dtype. options: recipe name -> its options
-    (recipes/run.py: recipe_options), which say whether it quantizes the whole float model at once.
+    (recipes/request.py: recipe_options), which say whether it quantizes the whole float model at once.
     eval_tokens: the fidelity texts' token counts by the model's tokenizer, once it is read (a tokenizer made
     for a random checkpoint can make twice the usual count, and every token keeps a row of logits)."""
     if generate:
@@ -305,3 +305,19 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
         f"but {where} allows {budget / GB:.1f} GB; choose " + (", or ".join(choices) or "a smaller model") + "."
     )
 
+
+
+@dataclass
+class JobMemoryCheck:
+    """check_job_fits for one job, keeping its latest estimate: called with the config before any weight is read
+    (models.checkpoint.load_checkpoint's check_config), and again with the evaluation texts' token counts once
+    the tokenizer is read."""
+    recipes: list
+    max_seq_len: int
+    generate: bool
+    options: dict | None = None  # recipe name -> its options
+    estimate: JobEstimate | None = None
+
+    def __call__(self, config, eval_tokens: list[int] | None = None) -> None:
+        self.estimate = check_job_fits(config, self.recipes, self.max_seq_len, self.generate, self.options,
+                                       eval_tokens)

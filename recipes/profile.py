@@ -4,17 +4,19 @@ load, the prefill and the decode steps, read back with ExecuTorch's Inspector in
 step and of the prefill."""
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import re
 import statistics
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from recipes import generate as gen
 from recipes.lowering import write_atomically
 from recipes.pte_program import read_program
+from recipes.report import OpRow, PhaseProfile, Profile, ProfileFiles, ProfileLoad, Report
 
 ETDUMP_NAME = "model.etdump"  # the decode steps
 PREFILL_ETDUMP_NAME = "prefill.etdump"
@@ -30,41 +32,6 @@ METHOD_EXECUTE, OPERATOR_CALL, DELEGATE_CALL = "Method::execute", "OPERATOR_CALL
 LOAD_METHOD, METHOD_INIT = "Program::load_method", "Method::init"
 BETWEEN_INSTRUCTIONS = "runtime, between instructions"
 DELEGATE_OUTSIDE_OPS = "{backend}, outside its op events"
-
-
-@dataclass
-class OpRow:
-    op: str  # a kernel's operator (aten::embedding.out), a delegate's own event (Fully Connected ... GEMM)
-    delegated: bool
-    backend: str | None  # the delegate's backend id, e.g. XnnpackBackend
-    count: int  # instances in one step
-    ms_per_step: float  # mean over steps of the instances' summed time
-    p50_ms_per_step: float
-    percent_of_step: float
-
-
-@dataclass
-class PhaseProfile:
-    steps: int
-    step_ms: float  # Method::execute, mean over steps
-    step_p50_ms: float
-    measured_step_ms: float  # wall time of the same calls from Python, tracer on, mean over steps
-    measured_p50_ms: float
-    outside_delegates_percent: float
-    ops: list[OpRow] = field(default_factory=list)
-
-
-@dataclass
-class Profile:
-    engine: str
-    executorch: str
-    load: dict  # program_load_ms (wall), load_method_ms and method_init_ms (ETDump), first_call_ms (warm-up)
-    prefill: PhaseProfile
-    decode: PhaseProfile | None  # None when the generation stopped after its first token
-    files: dict  # what sits beside model.pte: ETDumps, ETRecord
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def instruction_names(pte: Path | bytes) -> dict[int, tuple[str, str | None]]:
@@ -156,17 +123,15 @@ def _inspector(etdump: Path):
         return Inspector(etdump_path=str(etdump))
 
 
-def _load_figures(inspector, program_load_ms: float) -> dict:
+def _load_figures(inspector, program_load_ms: float) -> ProfileLoad:
     by_name = {e.name: e.perf_data.raw[0] for block in inspector.event_blocks for e in block.events if e.perf_data}
-    return {"program_load_ms": round(program_load_ms, 3),
-            "load_method_ms": round(by_name.get(LOAD_METHOD, 0.0), 3),
-            "method_init_ms": round(by_name.get(METHOD_INIT, 0.0), 3),
-            "first_call_ms": round(by_name.get(METHOD_EXECUTE, 0.0), 3)}
+    return ProfileLoad(program_load_ms=round(program_load_ms, 3),
+                       load_method_ms=round(by_name.get(LOAD_METHOD, 0.0), 3),
+                       method_init_ms=round(by_name.get(METHOD_INIT, 0.0), 3),
+                       first_call_ms=round(by_name.get(METHOD_EXECUTE, 0.0), 3))
 
 
 def event_tracer_note() -> str:
-    import importlib.metadata
-
     return NO_EVENT_TRACER.format(version=importlib.metadata.version("executorch"))
 
 
@@ -210,9 +175,6 @@ def profile_pte(pte_path: Path, runtime_imports: tuple[str, ...], generate_once)
     """Loads the .pte with the event tracer on, warms it up as the timed run does, and runs `generate_once(step)`
     (the same generation); writes prefill.etdump and model.etdump beside the .pte. (profile, None), or
     (None, why not) when this runtime writes no ETDump."""
-    import importlib
-    import importlib.metadata
-
     pte_path = Path(pte_path)
     out_dir = pte_path.parent
     for name in runtime_imports:
@@ -229,25 +191,25 @@ def profile_pte(pte_path: Path, runtime_imports: tuple[str, ...], generate_once)
         decode = phase_profile(decode_runs, names, measured[1:]) if decode_runs else None
         for name in (PREFILL_ETDUMP_NAME, ETDUMP_NAME):
             write_atomically(out_dir / name, written[name].read_bytes())
-    files = {"etdump": ETDUMP_NAME, "prefill_etdump": PREFILL_ETDUMP_NAME,
-             "etrecord": ETRECORD_NAME if (out_dir / ETRECORD_NAME).is_file() else None}
+    files = ProfileFiles(etdump=ETDUMP_NAME, prefill_etdump=PREFILL_ETDUMP_NAME,
+                         etrecord=ETRECORD_NAME if (out_dir / ETRECORD_NAME).is_file() else None)
     return Profile(engine=gen.ENGINE_RUNTIME, executorch=importlib.metadata.version("executorch"), load=load,
                    prefill=prefill, decode=decode, files=files), None
 
 
-def recipe_profile(report: dict, recipe_dir: Path, runtime_imports: tuple[str, ...], generate_once,
-                   enabled: bool = True) -> dict:
-    """The report's profile and, when there is none, why not. A failed profile never withholds a good .pte."""
+def recipe_profile(report: Report, recipe_dir: Path, runtime_imports: tuple[str, ...], generate_once,
+                   enabled: bool = True) -> tuple[Profile | None, str | None]:
+    """The report's profile and, when there is none, why not (its profile_note). A failed profile never withholds
+    a good .pte."""
     if not enabled:
-        return {"profile": None, "profile_note": "profiling was turned off (--no-profile)"}
-    if not report.get("pte"):
-        return {"profile": None, "profile_note": "no .pte was written"}
-    if not report.get("generations"):
-        return {"profile": None, "profile_note": "export only: nothing was generated to profile"}
-    if report.get("runtime_note"):
-        return {"profile": None, "profile_note": f"the .pte does not run here: {report['runtime_note']}"}
+        return None, "profiling was turned off (--no-profile)"
+    if not report.pte:
+        return None, "no .pte was written"
+    if not report.generations:
+        return None, "export only: nothing was generated to profile"
+    if report.runtime_note:
+        return None, f"the .pte does not run here: {report.runtime_note}"
     try:
-        profile, note = profile_pte(Path(recipe_dir) / "model.pte", runtime_imports, generate_once)
+        return profile_pte(Path(recipe_dir) / "model.pte", runtime_imports, generate_once)
     except Exception as err:
-        return {"profile": None, "profile_note": f"profiling failed: {type(err).__name__}: {err}"}
-    return {"profile": profile.to_dict() if profile else None, **({"profile_note": note} if note else {})}
+        return None, f"profiling failed: {type(err).__name__}: {err}"

@@ -3,8 +3,7 @@ delegated vs not, the per-op table with a backend or recipe filter, and the mode
 the same for a script; app.py puts it on the page."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from recipes.report import Report, load_report
 
 TABLE_COLUMNS = ["backend", "recipe", "phase", "op", "delegated", "delegate", "count", "ms_per_step",
                  "p50_ms_per_step", "percent_of_step"]
@@ -12,17 +11,17 @@ BAR_COLUMNS = ["op", "ms_per_step", "kind", "recipe"]
 OTHER_OPS = "other ops"
 
 
-def profile_rows(reports: list[dict]) -> list[dict]:
+def profile_rows(reports: list[Report]) -> list[dict]:
     """One row per op of each profiled recipe, decode step first, then the prefill."""
     rows = []
     for report in reports:
-        profile = report.get("profile")
-        for phase in ("decode", "prefill"):
-            for op in ((profile or {}).get(phase) or {}).get("ops", []):
-                rows.append({"backend": report["recipe"]["backend"], "recipe": report["recipe"]["name"],
-                             "phase": phase, "op": op["op"], "delegated": op["delegated"], "delegate": op["backend"],
-                             "count": op["count"], "ms_per_step": op["ms_per_step"],
-                             "p50_ms_per_step": op["p50_ms_per_step"], "percent_of_step": op["percent_of_step"]})
+        profile = report.profile
+        for phase, measured in (("decode", profile and profile.decode), ("prefill", profile and profile.prefill)):
+            for op in measured.ops if measured else []:
+                rows.append({"backend": report.recipe.backend, "recipe": report.recipe.name,
+                             "phase": phase, "op": op.op, "delegated": op.delegated, "delegate": op.backend,
+                             "count": op.count, "ms_per_step": op.ms_per_step,
+                             "p50_ms_per_step": op.p50_ms_per_step, "percent_of_step": op.percent_of_step})
     return rows
 
 
@@ -55,38 +54,38 @@ def profile_table(rows: list[dict], choice: str | None):
     return pd.DataFrame(kept, columns=TABLE_COLUMNS)
 
 
-def profile_summary(reports: list[dict]) -> str:
+def profile_summary(reports: list[Report]) -> str:
     """One line per recipe: its decode step and the share outside delegates, or why it has no profile."""
     lines = []
     for report in reports:
-        name, profile = report["recipe"]["name"], report.get("profile")
-        if profile and profile.get("decode"):
-            decode = profile["decode"]
-            lines.append(f"- **{name}** ({profile['engine']}, executorch {profile['executorch']}): decode step "
-                         f"{decode['step_ms']} ms, {decode['outside_delegates_percent']} % outside delegates; "
-                         f"load {profile['load']['load_method_ms']} ms")
+        name, profile = report.recipe.name, report.profile
+        if profile and profile.decode:
+            decode = profile.decode
+            lines.append(f"- **{name}** ({profile.engine}, executorch {profile.executorch}): decode step "
+                         f"{decode.step_ms} ms, {decode.outside_delegates_percent} % outside delegates; "
+                         f"load {profile.load.load_method_ms} ms")
         else:
-            lines.append(f"- **{name}**: no profile ({report.get('profile_note') or 'not profiled'})")
+            lines.append(f"- **{name}**: no profile ({report.profile_note or 'not profiled'})")
     return "\n".join(lines)
 
 
-def read_reports(recipe_dirs: dict) -> list[dict]:
-    return [json.loads((Path(folder) / "report.json").read_text()) for folder in (recipe_dirs or {}).values()]
+def read_reports(recipe_dirs: dict) -> list[Report]:
+    """The report of each recipe folder in `recipe_dirs` (recipe -> folder)."""
+    return [load_report(folder) for folder in (recipe_dirs or {}).values()]
 
 
-def model_card_lines(report: dict, top: int = 5) -> list[str]:
+def model_card_lines(report: Report, top: int = 5) -> list[str]:
     """The model card's profile section: a decode step's top ops, and how to open the ETDump and ETRecord."""
-    profile = report.get("profile")
-    if not profile or not profile.get("decode"):
+    profile = report.profile
+    if not profile or not profile.decode:
         return []
-    decode = profile["decode"]
+    decode = profile.decode
     lines = ["## Where a decode step's time goes", "",
-             f"Measured by Lowerbench on the ExecuTorch runtime (executorch {profile['executorch']}, event tracer on): "
-             f"{decode['step_ms']} ms per decode step, {decode['outside_delegates_percent']} % of it outside "
+             f"Measured by Lowerbench on the ExecuTorch runtime (executorch {profile.executorch}, event tracer on): "
+             f"{decode.step_ms} ms per decode step, {decode.outside_delegates_percent} % of it outside "
              "delegates.", "", "| op | delegated | count | ms per step | % of step |", "|---|---|---|---|---|"]
-    for op in decode["ops"][:top]:
-        lines.append(f"| {op['op']} | {op['backend'] or 'no'} | {op['count']} | {op['ms_per_step']} | "
-                     f"{op['percent_of_step']} |")
+    for op in decode.ops[:top]:
+        lines.append(f"| {op.op} | {op.backend or 'no'} | {op.count} | {op.ms_per_step} | {op.percent_of_step} |")
     lines += ["", "Lowerbench writes `model.etdump` (decode steps), `prefill.etdump` and `etrecord.bin` beside "
               "`model.pte`; open them with `executorch.devtools.Inspector(etdump_path=\"model.etdump\", "
               "etrecord=\"etrecord.bin\")`.", ""]

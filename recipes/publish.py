@@ -12,68 +12,64 @@ import tempfile
 from pathlib import Path
 
 from models.errors import UserFacingError
+from recipes.how_to_run import how_to_run
 from recipes.profile_view import model_card_lines
+from recipes.report import Report, load_report
 from recipes.tokenizer_files import TOKENIZER_FILES
 
 SHIPPED_FILES = ("model.pte", *TOKENIZER_FILES, "report.json")
 
 
-def model_card(report: dict, chat_template: str | None = None) -> str:
+def model_card(report: Report, chat_template: str | None = None) -> str:
     """README.md for the repo: base model, recipe, how to run the files, delegation summary, fidelity when
     measured, versions."""
-    from recipes.how_to_run import how_to_run
-
-    model, recipe = report["model"], report["recipe"]
-    delegation = report.get("delegation") or {}
-    base = model.get("id") or "unknown"
-    lines = ["---", "library_name: executorch", "tags:", "- executorch", f"- {recipe['backend']}", "- lowerbench"]
-    if model.get("source") in ("hub", "builtin") and "/" in base:
+    model, recipe, delegation = report.model, report.recipe, report.delegation
+    base = model.id or "unknown"
+    lines = ["---", "library_name: executorch", "tags:", "- executorch", f"- {recipe.backend}", "- lowerbench"]
+    if model.source in ("hub", "builtin") and "/" in base:
         lines += [f"base_model: {base}"]
-    lines += ["---", "", f"# {base} · {recipe['name']}", "",
+    lines += ["---", "", f"# {base} · {recipe.name}", "",
               f"An ExecuTorch program (`model.pte`) of [{base}](https://huggingface.co/{base}) made by Lowerbench "
-              f"with the `{recipe['name']}` recipe: backend {recipe['backend']}, quantization "
-              f"`{recipe['quantization']}`, max context {recipe['max_seq_len']} tokens.", ""]
-    if recipe.get("runs_on"):
-        lines += [f"It runs on {recipe['runs_on']}.", ""]
-    if model.get("revision"):
-        lines += [f"Base model revision: `{model['revision']}`.", ""]
-    options = {k: v for k, v in (recipe.get("options") or {}).items() if k != "device_runner"}  # in How to run
+              f"with the `{recipe.name}` recipe: backend {recipe.backend}, quantization "
+              f"`{recipe.quantization}`, max context {recipe.max_seq_len} tokens.", ""]
+    if recipe.runs_on:
+        lines += [f"It runs on {recipe.runs_on}.", ""]
+    if model.revision:
+        lines += [f"Base model revision: `{model.revision}`.", ""]
+    options = {k: v for k, v in recipe.options.items() if k != "device_runner"}  # in How to run
     if options:
         lines += ["Recipe options: " + ", ".join(f"`{k}={v}`" for k, v in sorted(options.items())) + ".", ""]
-    quantization = report.get("quantization") or {}
-    calibration = quantization.get("calibration") or {}
+    quantization = report.quantization
+    calibration = quantization.calibration if quantization else None
     if calibration:  # a calibrated algorithm's numbers depend on what it read
-        lines += [f"Quantization algorithm `{quantization.get('algorithm')}`, calibrated on {calibration['tokens']} tokens "
-                  f"of {calibration['text']}.", ""]
-    mixed = quantization.get("mixed_precision") or {}
-    if mixed.get("units_8bit"):
-        from quant.mixed_precision import describe_units
+        lines += [f"Quantization algorithm `{quantization.algorithm}`, calibrated on {calibration.tokens} tokens "
+                  f"of {calibration.text}.", ""]
+    mixed = quantization.mixed_precision if quantization else None
+    if mixed and mixed.units_8bit:
+        from quant.mixed_precision import describe_units  # loads torch, which only this section's card needs
 
-        lines += [f"Kept at 8 bits (8da8w) by the mixed-precision search, +{mixed['extra_bytes_per_token'] / 1e6:.2f} "
-                  f"MB of weights per token: {describe_units(mixed['units_8bit'])}.", ""]
+        lines += [f"Kept at 8 bits (8da8w) by the mixed-precision search, +{mixed.extra_bytes_per_token / 1e6:.2f} "
+                  f"MB of weights per token: {describe_units(mixed.units_8bit)}.", ""]
     lines += how_to_run(report, chat_template)
     if delegation:
         lines += ["## Delegation", "",
-                  f"{delegation.get('delegated_nodes')} nodes delegated to {recipe['backend']} in "
-                  f"{delegation.get('delegated_subgraphs')} subgraphs, {delegation.get('non_delegated_nodes')} "
-                  f"left to the portable kernels ({delegation.get('delegated_percent')}% delegated).", ""]
-    if report.get("fidelity"):
-        lines += ["## Fidelity against fp32", "", "```json", json.dumps(report["fidelity"], indent=2), "```", ""]
-    generations = report.get("generations") or []
-    if generations:
+                  f"{delegation.delegated_nodes} nodes delegated to {recipe.backend} in "
+                  f"{delegation.delegated_subgraphs} subgraphs, {delegation.non_delegated_nodes} "
+                  f"left to the portable kernels ({delegation.delegated_percent}% delegated).", ""]
+    if report.fidelity:
+        lines += ["## Fidelity against fp32", "", "```json", json.dumps(report.fidelity.to_dict(), indent=2), "```", ""]
+    if report.generations:
         lines += ["## Sample generations", "", "| engine | prefill tok/s | decode tok/s | text |", "|---|---|---|---|"]
-        for g in generations:
-            text = g["text"].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {g['engine']} | {g['prefill_tokens_per_s']} | {g['decode_tokens_per_s']} | {text} |")
+        for g in report.generations:
+            text = g.text.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {g.engine} | {g.prefill_tokens_per_s} | {g.decode_tokens_per_s} | {text} |")
         lines.append("")
-        if report.get("runner_note"):
-            lines += [f"ExecuTorch's LLM runner did not run this file here: {report['runner_note']}.", ""]
+        if report.runner_note:
+            lines += [f"ExecuTorch's LLM runner did not run this file here: {report.runner_note}.", ""]
     lines += model_card_lines(report)
-    pte = report.get("pte") or {}
-    if pte:
-        lines += [f"`model.pte`: {pte['bytes']} bytes, sha256 `{pte['sha256']}`.", ""]
-    versions = report.get("versions") or {}
-    lines += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in versions.items() if v), "",
+    if report.pte:
+        lines += [f"`model.pte`: {report.pte.bytes} bytes, sha256 `{report.pte.sha256}`.", ""]
+    lines += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in report.versions.items() if v), "",
               "`report.json` holds the full report (timings, per-op delegation table, generations)."]
     return "\n".join(lines) + "\n"
 
@@ -96,7 +92,7 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
     missing = [name for name in SHIPPED_FILES if not (recipe_dir / name).is_file()]
     if missing:
         raise UserFacingError(f"{recipe_dir} has no {', '.join(missing)}; run the recipe first.")
-    report = json.loads((recipe_dir / "report.json").read_text())
+    report = load_report(recipe_dir / "report.json")
     chat_template = json.loads((recipe_dir / "tokenizer_config.json").read_text()).get("chat_template")
     if isinstance(chat_template, list):  # several named templates: the runners' prompt is the default one
         chat_template = next((t.get("template") for t in chat_template if t.get("name") == "default"), None)
@@ -116,7 +112,7 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
             (staging / "README.md").write_text(model_card(report, chat_template))
             commit = api.upload_folder(
                 repo_id=repo_id, folder_path=staging, repo_type="model",
-                commit_message=f"Add {report['recipe']['name']} ExecuTorch program (Lowerbench)",
+                commit_message=f"Add {report.recipe.name} ExecuTorch program (Lowerbench)",
             )
     except HFValidationError:
         raise UserFacingError(f"{repo_id!r} is not a valid repo name; use letters, digits, '-', '_' and '.'.") from None

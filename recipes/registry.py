@@ -174,6 +174,12 @@ def load_backends() -> Registry:
     return REGISTRY
 
 
+def backend_packages() -> list[str]:
+    """The Python packages the backends' lowerings need besides torch, executorch and torchao (a report's
+    versions name them)."""
+    return list(dict.fromkeys(package for backend in load_backends().backends.values() for package in backend.packages))
+
+
 def backend_for_delegate(delegate_id: str) -> Backend | None:
     return next((b for b in load_backends().backends.values() if b.delegate_id == delegate_id), None)
 

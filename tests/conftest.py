@@ -113,12 +113,13 @@ def runner_llama_dir(tmp_path_factory):
 
 def _fp32_run(tmp_path_factory, name: str, model_dir, prompt: str, max_new_tokens: int):
     """`model_dir` through `run()` with xnnpack-fp32 at a context of 64: (recipe folder, report)."""
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     out = tmp_path_factory.mktemp(name)
     summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(model_dir),
                              prompt=prompt, max_new_tokens=max_new_tokens, max_seq_len=64))
-    return out, summary["recipes"][0]
+    return out, summary.recipes[0]
 
 
 @pytest.fixture(scope="session")
@@ -374,7 +375,7 @@ def tiny_qnn_16a4w(tiny_checkpoint):
     from quant.calibration import calibration_inputs
     from recipes.lowering import export_program
     from recipes.registry import get_recipe
-    from recipes.run import quantize_exported
+    from recipes.prepare import quantize_exported
 
     recipe = get_recipe("qnn-16a4w")
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))

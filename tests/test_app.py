@@ -264,22 +264,26 @@ def shutil_copy(png: Path) -> None:
 
 
 def test_model_card_describes_the_recipe(tiny_fp32_run):
+    from dataclasses import replace
+
     from recipes.publish import model_card
+    from recipes.report import Fidelity, MixedPrecision, QuantCalibration, Quantization
 
     _, report = tiny_fp32_run
-    card = model_card({**report, "fidelity": {"top1_agreement": 0.97}})
+    card = model_card(replace(report, fidelity=Fidelity(top1_agreement_percent=97.0)))
     assert card.startswith("---\nlibrary_name: executorch\n")
     assert "xnnpack-fp32" in card and "## Delegation" in card and "% delegated" in card
     assert "top1_agreement" in card and "torch " in card and "executorch " in card
-    assert report["pte"]["sha256"] in card
+    assert report.pte.sha256 in card
     assert "TextLLMRunner(\"model.pte\", \"tokenizer.json\")" in card and "llama_main --model_path=model.pte" in card
     assert "adb push tokenizer.json" in card and "etLLM" in card and "get_max_seq_len" in card
     assert "Kept at 8 bits" not in card and "calibrated on" not in card
-    calibration = {"text": "quant/calibration_text.txt (Alice)", "tokens": 512}
-    card = model_card({**report, "quantization": {"algorithm": "awq", "calibration": calibration}})
+    calibration = QuantCalibration(text="quant/calibration_text.txt (Alice)", tokens=512)
+    card = model_card(replace(report, quantization=Quantization(algorithm="awq", calibration=calibration)))
     assert "Quantization algorithm `awq`, calibrated on 512 tokens of quant/calibration_text.txt (Alice)." in card
-    mixed = {"units_8bit": ["model.layers.1.mlp.down_proj", "lm_head"], "extra_bytes_per_token": 1_500_000}
-    card = model_card({**report, "quantization": {**(report.get("quantization") or {}), "mixed_precision": mixed}})
+    mixed = MixedPrecision(units_8bit=["model.layers.1.mlp.down_proj", "lm_head"], extra_bytes_per_token=1_500_000)
+    quantization = replace(report.quantization or Quantization(), mixed_precision=mixed)
+    card = model_card(replace(report, quantization=quantization))
     assert "+1.50 MB of weights per token: layer 1 down_proj and the output layer." in card
     chat = model_card(report, chat_template="{{ '<|im_start|>' }}")
     assert "```jinja\n{{ '<|im_start|>' }}\n```" in chat and "`QWEN_3`" in chat and "smollm3-model.pte" in chat

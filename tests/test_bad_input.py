@@ -141,7 +141,7 @@ def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, 
 
     from models.errors import UserFacingError
     from recipes import jobs
-    from recipes.run import RunRequest
+    from recipes.request import RunRequest
 
     session = f"cancel-{stage}"
     cancelled_at = []
@@ -162,7 +162,7 @@ def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, 
 
 def test_export_only_job_has_no_prompt_to_fit_in_its_context(tiny_checkpoint, tmp_path):
     from models.errors import UserFacingError
-    from recipes.run import RunRequest, check_context
+    from recipes.request import RunRequest, check_context
 
     long_prompt = "hello world " * 100
     check_context(tiny_checkpoint, RunRequest(recipes=["xnnpack-fp32"], out_dir=tmp_path, prompt=long_prompt,

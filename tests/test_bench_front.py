@@ -4,6 +4,7 @@ from bench.front import (RANDOM_WEIGHTS, beats_default, builtin_jobs, fitting_gr
                          report_extract, summarize_front)
 from bench.scale_models import CONFIGS
 from bench.table import front_table
+from recipes.report import Report
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "num_hidden_layers": 30, "vocab_size": 49152}
@@ -18,7 +19,7 @@ def _report(bytes_per_token, ppl_ratio, decode, engine="executorch-llm-runner", 
             "fidelity": None if ppl_ratio is None else {
                 "engine": "executorch-runtime", "perplexity_ratio": ppl_ratio, "top1_agreement_percent": 60.0,
                 "heldout": {"perplexity_ratio": round(ppl_ratio + 0.1, 3), "top1_agreement_percent": 58.0},
-                "layers": [{"big": "per-layer map"}]},
+                "layers": {"layers": [{"big": "per-layer map"}]}},
             "generations": [{"engine": "eager-fp32", "decode_tokens_per_s": 5.0, "tokens": [1]},
                             {"engine": engine, "decode_tokens_per_s": decode, "prefill_tokens_per_s": 200.0,
                              "new_tokens": 32, "tokens": [1, 2]}],
@@ -28,7 +29,7 @@ def _report(bytes_per_token, ppl_ratio, decode, engine="executorch-llm-runner", 
 def _run(algorithm, group, report, budget=0.0, shape="smollm2-135m", full=True, returncode=0):
     return {"shape": shape, "algorithm": algorithm, "group_size": group, "mixed_precision_budget": budget,
             "full_job": full, "returncode": returncode, "wall_s": 100.0, "peak_rss_mb": 2000.0,
-            "report": report_extract(report)}
+            "report": report_extract(Report.from_dict(report))}
 
 
 def _row(algorithm, group, ppl_ratio, decode, engine="executorch-llm-runner"):

@@ -110,31 +110,32 @@ def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside
     attention go into the Core ML program; off Apple OSes the column is the eager module, said so."""
     import json
 
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     name = "coreml-int4"
     summary = run(RunRequest(recipes=[name], out_dir=tmp_path, model=str(tiny_llama_dir), max_seq_len=32,
                              max_new_tokens=3, prompt="what is the capital ?"))
-    report = summary["recipes"][0]
-    assert report["errors"] == []
+    report = summary.recipes[0]
+    assert report.errors == []
     # the default algorithm: AWQ's scales, searched as the module was built
-    assert report["quantization"]["algorithm"] == "awq" and report["quantization"]["calibration"]["tokens"] > 0
-    assert (tmp_path / "model.pte").stat().st_size == report["pte"]["bytes"]
-    delegation = report["delegation"]
-    ops = {o["op"]: o for o in delegation["ops"]}
+    assert report.quantization.algorithm == "awq" and report.quantization.calibration.tokens > 0
+    assert (tmp_path / "model.pte").stat().st_size == report.pte.bytes
+    delegation = report.delegation
+    ops = {o["op"]: o for o in delegation.ops}
     assert ops["aten_linear_default"]["delegated"] == layers * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
     sdpa = ops["aten_scaled_dot_product_attention_default"]
     assert sdpa["delegated"] == layers and sdpa["non_delegated"] == 0
-    assert {o["op"] for o in delegation["ops"] if o["non_delegated"]} <= IO_GLUE
-    assert delegation["non_delegated_nodes"] <= 2
-    assert delegation["edge_nodes_before_partitioning"] == delegation["delegated_nodes"]
-    assert "aten.scaled_dot_product_attention.default" in delegation["preserved_ops"]["CoreMLPartitioner"]
+    assert {o["op"] for o in delegation.ops if o["non_delegated"]} <= IO_GLUE
+    assert delegation.non_delegated_nodes <= 2
+    assert delegation.edge_nodes_before_partitioning == delegation.delegated_nodes
+    assert "aten.scaled_dot_product_attention.default" in delegation.preserved_ops["CoreMLPartitioner"]
     assert ops["torchao_dequantize_affine_default"]["delegated"] == layers * 7 + 1
-    engines = [g["engine"] for g in report["generations"]]
+    engines = [g.engine for g in report.generations]
     if platform.system() != "Darwin":
-        assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report["runtime_note"]
-        assert report["profile"] is None and "Apple" in report["profile_note"]
+        assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report.runtime_note
+        assert report.profile is None and "Apple" in report.profile_note
 
 def test_preprocessing_shares_the_weights_and_leaves_them_as_they_were(tiny_checkpoint):
     """ExecuTorch copies each partition's program before Core ML preprocesses it; Core ML's copy shares the

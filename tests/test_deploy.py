@@ -22,8 +22,8 @@ def constant_methods(pte) -> dict:
     return values
 
 
-def engines(report: dict) -> list[str]:
-    return [g["engine"] for g in report["generations"]]
+def engines(report) -> list[str]:
+    return [g.engine for g in report.generations]
 
 
 def test_recipe_folder_holds_pte_tokenizer_with_chat_template_and_report(runner_llama_run, runner_llama_dir):
@@ -33,22 +33,22 @@ def test_recipe_folder_holds_pte_tokenizer_with_chat_template_and_report(runner_
     config = json.loads((folder / "tokenizer_config.json").read_text())
     assert "<|im_start|>assistant" in config["chat_template"]
     assert json.loads((folder / "tokenizer.json").read_text())["model"]["type"] == "BPE"
-    assert json.loads((folder / "report.json").read_text())["llm_metadata"] == report["llm_metadata"]
+    assert json.loads((folder / "report.json").read_text())["llm_metadata"] == report.llm_metadata.to_dict()
 
 
 def test_runner_greedy_tokens_equal_eager_fp32_greedy_tokens(runner_llama_run, runner_llama_dir):
     from models.checkpoint import load_checkpoint
 
     _folder, report = runner_llama_run
-    assert engines(report) == ["eager-fp32", RUNNER_ENGINE, "executorch-runtime"], report.get("runner_note")
-    eager, runner, step_loop = report["generations"]
+    assert engines(report) == ["eager-fp32", RUNNER_ENGINE, "executorch-runtime"], report.runner_note
+    eager, runner, step_loop = report.generations
     tokenizer = load_checkpoint(str(runner_llama_dir)).tokenizer
-    assert runner["prompt_tokens"] == eager["prompt_tokens"] and runner["prompt_note"] is None
-    assert len(eager["tokens"]) == 8  # no stop token came up, so every position compares
-    assert runner["pieces"] == [tokenizer.decode([t]) for t in eager["tokens"]]
-    assert runner["text"] == eager["text"] == step_loop["text"]
+    assert runner.prompt_tokens == eager.prompt_tokens and runner.prompt_note is None
+    assert len(eager.tokens) == 8  # no stop token came up, so every position compares
+    assert runner.pieces == [tokenizer.decode([t]) for t in eager.tokens]
+    assert runner.text == eager.text == step_loop.text
     for key in ("model_load_ms", "time_to_first_token_ms", "prefill_tokens_per_s", "decode_tokens_per_s"):
-        assert isinstance(runner[key], (int, float)) and runner[key] >= 0
+        assert isinstance(getattr(runner, key), (int, float)) and getattr(runner, key) >= 0
 
 
 def test_metadata_methods_match_config_tokenizer_and_generation_config(runner_llama_run, runner_llama_dir):
@@ -65,7 +65,7 @@ def test_metadata_methods_match_config_tokenizer_and_generation_config(runner_ll
         "use_kv_cache": 1, "use_sdpa_with_kv_cache": 1, "enable_dynamic_shape": 1,
     }
     assert constant_methods(folder / "model.pte") == expected
-    assert {k: int(v) if isinstance(v, bool) else v for k, v in report["llm_metadata"].items()} == expected
+    assert {k: int(v) if isinstance(v, bool) else v for k, v in report.llm_metadata.to_dict().items()} == expected
 
 
 def test_every_listed_eos_id_stops_the_step_loop(runner_llama_run, runner_llama_dir, tmp_path):
@@ -77,7 +77,7 @@ def test_every_listed_eos_id_stops_the_step_loop(runner_llama_run, runner_llama_
     from models.llama import ExportOptions, build_exportable
     from recipes import generate as gen
 
-    greedy = runner_llama_run[1]["generations"][0]["tokens"]
+    greedy = runner_llama_run[1].generations[0].tokens
     for k in (2, 4, 6):
         folder = tmp_path / f"stop-{k}"
         shutil.copytree(runner_llama_dir, folder)
@@ -100,7 +100,7 @@ def test_runner_stops_on_an_eos_id_that_is_not_the_tokenizers(runner_llama_run, 
     from recipes.registry import get_recipe
 
     folder, report = runner_llama_run
-    greedy = report["generations"][0]["tokens"]
+    greedy = report.generations[0].tokens
     # A token that first comes up after the first one: the runner checks for a stop only in its decode loop,
     # never on the token its prefill gives.
     stop = next(t for k, t in enumerate(greedy) if k >= 2 and greedy.index(t) == k)
@@ -122,7 +122,7 @@ def test_step_loop_generation_shown_with_the_reason_when_the_runner_cannot_load_
     """The tiny Llama's word-level tokenizer (Whitespace pre-tokenizer) is one ExecuTorch's runner does not load."""
     folder, report = tiny_fp32_run
     assert engines(report) == ["eager-fp32", "executorch-runtime"]
-    assert "runner" in report["runner_note"] and "\n" not in report["runner_note"]
+    assert "runner" in report.runner_note and "\n" not in report.runner_note
     assert (folder / "tokenizer.json").is_file() and (folder / "model.pte").is_file()
 
 

@@ -106,38 +106,40 @@ def test_broken_scheme_shows_degraded_figures():
     good = report(lambda m: apply_scheme(m, "8da4w", 32, "hqq"))
     broken = report(lambda m: quantize_(m, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(1024)),
                                         filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear)))
-    assert good["meets_target"] is True
-    assert broken["meets_target"] is False and broken["perplexity_ratio"] > 2
-    assert broken["mean_kl"] > 4 * good["mean_kl"]
-    assert broken["top1_agreement_percent"] < good["top1_agreement_percent"] - 20
+    assert good.meets_target is True
+    assert broken.meets_target is False and broken.perplexity_ratio > 2
+    assert broken.mean_kl > 4 * good.mean_kl
+    assert broken.top1_agreement_percent < good.top1_agreement_percent - 20
 
 
 def test_tiny_run_reports_fidelity_per_recipe(tiny_llama_dir, tmp_path):
-    from recipes.run import RunRequest, run, summary_rows
+    from recipes.report import summary_rows
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     summary = run(RunRequest(recipes=["xnnpack-fp32", "xnnpack-8da4w"], out_dir=tmp_path, model=str(tiny_llama_dir),
                              max_seq_len=64, max_new_tokens=4, prompt="what is the capital ?", layer_map=True))
-    for report in summary["recipes"]:
-        assert report["errors"] == []
-        figures = report["fidelity"]
-        assert figures["engine"] == "executorch-runtime"
-        assert figures["positions"] > 50
-        assert figures["perplexity_fp32"] > 0 and figures["perplexity"] > 0 and figures["mean_kl"] >= 0
-    for report in summary["recipes"]:
-        heldout = report["fidelity"]["heldout"]
-        assert heldout["text"].startswith("quant/eval_text_heldout.txt") and heldout["positions"] > 50
-        layers = report["fidelity"]["layers"]
-        assert layers["engine"] == "executorch-runtime" and "intermediate_output_tap" in layers["method"]
-        assert [row["layer"] for row in layers["layers"]] == [0, 1]
-    fp32 = summary["recipes"][0]["fidelity"]
-    assert fp32["top1_agreement_percent"] == 100.0 and fp32["meets_target"] is True
-    assert fp32["mean_kl"] < 1e-6 and fp32["heldout"]["top1_agreement_percent"] == 100.0
+    for report in summary.recipes:
+        assert report.errors == []
+        figures = report.fidelity
+        assert figures.engine == "executorch-runtime"
+        assert figures.positions > 50
+        assert figures.perplexity_fp32 > 0 and figures.perplexity > 0 and figures.mean_kl >= 0
+    for report in summary.recipes:
+        heldout = report.fidelity.heldout
+        assert heldout.text.startswith("quant/eval_text_heldout.txt") and heldout.positions > 50
+        layers = report.fidelity.layers
+        assert layers.engine == "executorch-runtime" and "intermediate_output_tap" in layers.method
+        assert [row["layer"] for row in layers.layers] == [0, 1]
+    fp32 = summary.recipes[0].fidelity
+    assert fp32.top1_agreement_percent == 100.0 and fp32.meets_target is True
+    assert fp32.mean_kl < 1e-6 and fp32.heldout.top1_agreement_percent == 100.0
     # the .pte's layer outputs, read inside the XNNPACK delegate, are fp32 eager's
-    assert all(row["sqnr_db"] is None or row["sqnr_db"] >= 60 for row in fp32["layers"]["layers"]), fp32["layers"]
-    int4_layers = summary["recipes"][1]["fidelity"]["layers"]["layers"]
+    assert all(row["sqnr_db"] is None or row["sqnr_db"] >= 60 for row in fp32.layers.layers), fp32.layers
+    int4_layers = summary.recipes[1].fidelity.layers.layers
     assert all(row["sqnr_db"] < 60 for row in int4_layers), int4_layers
     rows = summary_rows(summary)
-    assert rows[1]["perplexity"] == summary["recipes"][1]["fidelity"]["perplexity"]
+    assert rows[1]["perplexity"] == summary.recipes[1].fidelity.perplexity
     assert {"top1_agreement_percent", "mean_kl", "meets_target", "perplexity_fp32"} <= set(rows[0])
 
 
@@ -159,16 +161,18 @@ def test_layer_map_of_a_broken_2bit_scheme_is_low(tiny_checkpoint):
     quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(64)),
               filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
     broken = layer_map("eager-quantized", module, None, {}, reference, windows, 64, on_runtime=False)
-    assert broken["method"] == "eager forward hooks on the quantized module"
-    assert all(row["sqnr_db"] < 10 and row["relative_error"] > 0.3 for row in broken["layers"]), broken
+    assert broken.method == "eager forward hooks on the quantized module"
+    assert all(row["sqnr_db"] < 10 and row["relative_error"] > 0.3 for row in broken.layers), broken
 
 
 def test_sqnr_chart_rows_give_one_line_per_recipe():
     from recipes.layer_map import sqnr_chart_rows
+    from recipes.report import Report
 
     reports = [{"recipe": {"name": name}, "fidelity": {"layers": {"layers": [
         {"layer": 0, "sqnr_db": db, "relative_error": 0.1}, {"layer": 1, "sqnr_db": None, "relative_error": 0.0}]}}}
         for name, db in (("xnnpack-8da4w", 20.0), ("xnnpack-fp32", 130.0))] + [{"recipe": {"name": "x"}, "fidelity": None}]
+    reports = [Report.from_dict(report) for report in reports]
     assert sqnr_chart_rows(reports) == [{"recipe": "xnnpack-8da4w", "layer": 0, "sqnr_db": 20.0},
                                         {"recipe": "xnnpack-fp32", "layer": 0, "sqnr_db": 130.0}]
 

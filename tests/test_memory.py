@@ -173,7 +173,8 @@ def test_fp32_reference_on_bf16_weights_keeps_them_bf16_and_computes_what_the_fp
 
 
 def test_job_that_cannot_fit_is_refused_with_numbers_before_any_weight_download(hub, tmp_path, monkeypatch):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     monkeypatch.setenv("LOWERBENCH_MEMORY_LIMIT_GB", "0.2")
     with pytest.raises(UserFacingError) as info:
@@ -370,7 +371,8 @@ def test_a_full_job_has_collected_its_lowered_program_before_the_runtime_loads_t
 
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     alive_at_generation = []
 

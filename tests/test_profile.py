@@ -9,45 +9,47 @@ from recipes import profile
 def tiny_profiled_run(tmp_path_factory):
     """A random 2-layer Llama through run() with xnnpack-fp32 (runs here) and coreml-fp16 (cannot, off macOS).
     Hidden 512: wide enough that a step's runtime, not the Python call around it, makes most of its time."""
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
     from tests.conftest import _random_llama_dir
 
     model = _random_llama_dir(tmp_path_factory, "profiled-llama", hidden=512, intermediate=1024, layers=2)
     out = tmp_path_factory.mktemp("tiny-profiled-run")
     summary = run(RunRequest(recipes=["xnnpack-fp32", "coreml-fp16"], out_dir=out, model=str(model),
                              prompt="the capital of France is", max_new_tokens=8, max_seq_len=64, etrecord=True))
-    return out, {r["recipe"]["name"]: r for r in summary["recipes"]}
+    return out, {r.recipe.name: r for r in summary.recipes}
 
 
-def _profiled(report: dict) -> dict:
+def _profiled(report):
     # The pinned executorch wheel's runtime has its event tracer: a null profile is a failure, not a skip.
-    assert report["profile"] is not None, report.get("profile_note")
-    return report["profile"]
+    assert report.profile is not None, report.profile_note
+    return report.profile
 
 
 def test_xnnpack_profile_has_delegated_xnnpack_ops_and_kv_cache_ops_outside(tiny_profiled_run):
     out, reports = tiny_profiled_run
     report = reports["xnnpack-fp32"]
     found = _profiled(report)
-    assert found["engine"] == "executorch-runtime"
-    decode = found["decode"]
-    generated = report["generations"][-1]
-    assert decode["steps"] == generated["new_tokens"] - 1 and found["prefill"]["steps"] == 1
-    ops = {row["op"]: row for row in decode["ops"]}
-    gemm = [row for row in decode["ops"] if row["delegated"] and "Fully Connected" in row["op"]]
-    assert gemm and all(row["backend"] == "XnnpackBackend" for row in gemm)
+    assert found.engine == "executorch-runtime"
+    decode = found.decode
+    generated = report.generations[-1]
+    assert decode.steps == generated.new_tokens - 1 and found.prefill.steps == 1
+    ops = {row.op: row for row in decode.ops}
+    gemm = [row for row in decode.ops if row.delegated and "Fully Connected" in row.op]
+    assert gemm and all(row.backend == "XnnpackBackend" for row in gemm)
     for kv_cache_op in ("llama::update_cache.out", "llama::custom_sdpa.out"):
-        assert ops[kv_cache_op]["delegated"] is False and ops[kv_cache_op]["backend"] is None
-    assert ops["llama::update_cache.out"]["count"] == 2 * 2  # keys and values, two layers
-    assert sum(row["ms_per_step"] for row in decode["ops"]) == pytest.approx(decode["step_ms"], rel=0.01)
-    assert sum(row["percent_of_step"] for row in decode["ops"]) == pytest.approx(100, abs=1)
-    assert 0 < decode["outside_delegates_percent"] < 100
+        assert ops[kv_cache_op].delegated is False and ops[kv_cache_op].backend is None
+    assert ops["llama::update_cache.out"].count == 2 * 2  # keys and values, two layers
+    assert sum(row.ms_per_step for row in decode.ops) == pytest.approx(decode.step_ms, rel=0.01)
+    assert sum(row.percent_of_step for row in decode.ops) == pytest.approx(100, abs=1)
+    assert 0 < decode.outside_delegates_percent < 100
     # A check of the parse, not a timing target: the runtime's step against the same calls timed from Python.
-    assert decode["step_p50_ms"] == pytest.approx(decode["measured_p50_ms"], rel=0.3)
-    assert found["load"]["load_method_ms"] > 0 and found["load"]["method_init_ms"] > 0
-    assert found["files"] == {"etdump": "model.etdump", "prefill_etdump": "prefill.etdump", "etrecord": "etrecord.bin"}
+    assert decode.step_p50_ms == pytest.approx(decode.measured_p50_ms, rel=0.3)
+    assert found.load.load_method_ms > 0 and found.load.method_init_ms > 0
+    assert found.files.to_dict() == {"etdump": "model.etdump", "prefill_etdump": "prefill.etdump",
+                                     "etrecord": "etrecord.bin"}
     folder = out / "xnnpack-fp32"
-    assert all((folder / name).stat().st_size > 0 for name in found["files"].values())
+    assert all((folder / name).stat().st_size > 0 for name in found.files.to_dict().values())
 
 
 def test_etrecord_and_etdump_load_back_with_inspector(tiny_profiled_run):
@@ -72,9 +74,9 @@ def test_recipe_that_cannot_run_here_has_a_null_profile_with_the_reason(tiny_pro
         pytest.skip("the Core ML runtime exists on macOS")
     out, reports = tiny_profiled_run
     report = reports["coreml-fp16"]
-    assert report["errors"] == [] and report["pte"] is not None
-    assert report["profile"] is None
-    assert "does not run here" in report["profile_note"] and "Apple" in report["profile_note"]
+    assert report.errors == [] and report.pte is not None
+    assert report.profile is None
+    assert "does not run here" in report.profile_note and "Apple" in report.profile_note
     assert not (out / "coreml-fp16" / profile.ETDUMP_NAME).exists()
 
 
@@ -101,13 +103,14 @@ def test_app_frames_show_the_decode_step_top_ops_and_filter_the_table(tiny_profi
 
 
 def test_no_profile_leaves_the_folder_without_etdump_or_etrecord(tiny_llama_dir, tmp_path):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir),
                              prompt="the capital of France is", max_new_tokens=2, max_seq_len=32, profile=False,
                              generate=False))
-    report = summary["recipes"][0]
-    assert report["pte"] is not None and report["profile"] is None and "--no-profile" in report["profile_note"]
+    report = summary.recipes[0]
+    assert report.pte is not None and report.profile is None and "--no-profile" in report.profile_note
     names = {p.name for p in tmp_path.iterdir()}
     assert {"model.pte", "report.json"} <= names and not names & {"etrecord.bin", "model.etdump", "prefill.etdump"}
 

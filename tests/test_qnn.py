@@ -106,18 +106,19 @@ def test_without_qnn_libraries_lowering_fails_fast_with_what_to_install(no_qnn_l
 def test_side_by_side_without_qnn_libraries_completes_xnnpack_and_records_qnn_error(
     tiny_llama_dir, tmp_path, no_qnn_libraries
 ):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["xnnpack-fp32", "qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir),
                              prompt="what is the capital ?", max_new_tokens=4, max_seq_len=32))
-    xnnpack, qnn = summary["recipes"]
-    assert xnnpack["errors"] == [] and (out / "xnnpack-fp32" / "model.pte").is_file()
-    assert xnnpack["generations"][1]["engine"] == "executorch-runtime"
-    assert [e["stage"] for e in qnn["errors"]] == ["lower"]
-    assert "QNN_SDK_ROOT" in qnn["errors"][0]["message"] and "traceback" not in qnn["errors"][0]
-    assert qnn["generations"][1]["engine"] == "eager-qnn-simulated"
-    assert qnn["timings_s"]["calibration"]["prompts"] >= 1
+    xnnpack, qnn = summary.recipes
+    assert xnnpack.errors == [] and (out / "xnnpack-fp32" / "model.pte").is_file()
+    assert xnnpack.generations[1].engine == "executorch-runtime"
+    assert [e.stage for e in qnn.errors] == ["lower"]
+    assert "QNN_SDK_ROOT" in qnn.errors[0].message and "traceback" not in qnn.errors[0].to_dict()
+    assert qnn.generations[1].engine == "eager-qnn-simulated"
+    assert qnn.timings.calibration.prompts >= 1
     assert not (out / "qnn-16a4w" / "model.pte").exists()
     rows = json.loads((out / "summary.json").read_text())
     assert rows[1]["engine"] == "eager-qnn-simulated" and "QNN_SDK_ROOT" in rows[1]["error"]
@@ -163,54 +164,57 @@ def test_the_llm_runner_still_reports_its_errors_once_qnn_libraries_are_loaded(t
 
 @needs_qnn
 def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir),
                              prompt="what is the capital ?", max_new_tokens=4, max_seq_len=32))
-    report = summary["recipes"][0]
-    assert report["errors"] == [], report["errors"]
-    options = report["recipe"]["options"]
+    report = summary.recipes[0]
+    assert report.errors == [], report.errors
+    options = report.recipe.options
     assert options["soc"] == "SM8650" and options["htp_arch"] == "v75"
     assert options["qnn_libraries"]
-    ops = {o["op"]: o for o in report["delegation"]["ops"]}
+    ops = {o["op"]: o for o in report.delegation.ops}
     # the 15 linears, as 1x1 convolutions
     assert ops["aten_convolution_default"]["delegated"] == 2 * 7 + 1
     assert ops["aten_convolution_default"]["non_delegated"] == 0
     # the layers, KV-cache updates included, are one QNN partition; only position/mask prologue ops stay out
-    assert report["delegation"]["delegated_subgraphs"] <= 2
+    assert report.delegation.delegated_subgraphs <= 2
     assert "aten_index_put_default" not in ops and "copy_" not in ops
-    assert report["generations"][1]["engine"] == "eager-qnn-simulated"
-    assert "Qualcomm" in report["runtime_note"]
+    assert report.generations[1].engine == "eager-qnn-simulated"
+    assert "Qualcomm" in report.runtime_note
     pte = (out / "model.pte").read_bytes()
-    assert b"QnnBackend" in pte and report["pte"]["bytes"] == len(pte)
+    assert b"QnnBackend" in pte and report.pte.bytes == len(pte)
 
 
 @needs_qnn
 def test_a_decoder_in_shards_compiles_one_qnn_graph_per_shard_with_every_linear_inside(tiny_llama_dir, tmp_path):
     """One decoder layer per shard: the two layers become two QNN graphs (beside the prologue's), the residual
     stream passing between them through the one clone QNN leaves out; no linear or cache update leaves HTP."""
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=32,
                              max_new_tokens=4, generate=False, options={"layers_per_shard": 1}))
-    report = summary["recipes"][0]
-    assert report["errors"] == [], report["errors"]
-    assert report["recipe"]["options"]["layers_per_shard"] == 1
-    ops = {o["op"]: o for o in report["delegation"]["ops"]}
+    report = summary.recipes[0]
+    assert report.errors == [], report.errors
+    assert report.recipe.options["layers_per_shard"] == 1
+    ops = {o["op"]: o for o in report.delegation.ops}
     assert ops["aten_convolution_default"]["delegated"] == 2 * 7 + 1
     assert ops["aten_convolution_default"]["non_delegated"] == 0
     assert ops["dim_order_ops__clone_dim_order_default"]["non_delegated"] == 1
     assert "aten_index_put_default" not in ops
-    assert report["delegation"]["delegated_subgraphs"] == 3
+    assert report.delegation.delegated_subgraphs == 3
     assert (out / "model.pte").read_bytes().count(b"QnnBackend") >= 3
 
 
 @pytest.mark.parametrize("value", [0, "two"])
 def test_a_shard_size_that_is_not_a_positive_layer_count_is_refused_before_any_work(value, tmp_path):
     from models.errors import UserFacingError
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     out = tmp_path / "out"
     with pytest.raises(UserFacingError, match="layers_per_shard must be a whole number of decoder layers"):
@@ -222,14 +226,15 @@ def test_a_shard_size_that_is_not_a_positive_layer_count_is_refused_before_any_w
 def test_block_quantized_linears_wider_than_256_outputs_lower_for_real(wide_llama_dir, tmp_path):
     """qnn-16a4w's 4-bit blocks on 512-wide outputs: as FullyConnected, QNN 2.47's HTP graph prepare fails
     ("no properties registered for q::GenPad"); as the 1x1 conv2d the recipe lowers, it makes a context binary."""
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(wide_llama_dir), max_seq_len=32, max_new_tokens=4,
                              generate=False))
-    report = summary["recipes"][0]
-    assert report["errors"] == [], report["errors"]
-    ops = {o["op"]: o for o in report["delegation"]["ops"]}
+    report = summary.recipes[0]
+    assert report.errors == [], report.errors
+    ops = {o["op"]: o for o in report.delegation.ops}
     assert ops["aten_convolution_default"]["delegated"] == 7 + 1
     assert ops["aten_convolution_default"]["non_delegated"] == 0
     assert b"QnnBackend" in (out / "model.pte").read_bytes()
@@ -248,7 +253,7 @@ def test_the_block_scales_qnn_encodes_are_the_ones_the_weights_and_the_simulatio
     from quant.calibration import calibration_inputs
     from recipes.lowering import export_program, lower_for_backend
     from recipes.registry import get_recipe
-    from recipes.run import quantize_exported
+    from recipes.prepare import quantize_exported
 
     encoded = {}  # weight node -> (scales that quantized it, scales QNN encodes); the partitioner's op check and
     real = NodeVisitor.make_qnn_per_block_config  # the compile both visit it

@@ -117,7 +117,8 @@ def test_list_prints_the_compatibility_table():
 
 
 def test_group_size_not_offered_is_refused_before_loading(tmp_path):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     messages = []
     with pytest.raises(UserFacingError, match="group size 48 is not offered for 8da4w; choose one of: 32, 64, 128, 256"):
@@ -127,7 +128,8 @@ def test_group_size_not_offered_is_refused_before_loading(tmp_path):
 
 
 def test_group_size_that_does_not_divide_is_refused_before_quantizing(tiny_llama_dir, tmp_path):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     messages = []
     with pytest.raises(UserFacingError, match=r"group size 128 does not divide .*\(64\).*choose one of: 32, 64\."):
@@ -153,64 +155,69 @@ def test_builtin_widths_refuse_group_128():
 
 def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint):
     """Two backends taking 8da4w on the same module quantize once; a different group size does not share."""
+    from recipes.prepare import prepare
     from recipes.registry import Recipe
-    from recipes.run import RunRequest, _prepare, _Stages
+    from recipes.request import recipe_options
+    from recipes.stages import Figures, Stages
     from recipes.backends.xnnpack import BACKEND
 
     def recipe(name, **options):
         return Recipe(name=name, backend=BACKEND, quantization="8da4w", description="", options=options)
 
-    request = RunRequest(recipes=[], out_dir=".", max_seq_len=32)
-    prepared, stages = {}, _Stages(None, None, total=10)
-    first_timings, second_timings, third_timings = {}, {}, {}
-    first = _prepare(recipe("a", group_size=32), tiny_checkpoint, request, prepared, stages, first_timings)
-    second = _prepare(recipe("b", group_size=32, soc="SM8650"), tiny_checkpoint, request, prepared, stages,
-                      second_timings)
+    def prepared_for(made, requested, figures):
+        return prepare(made, recipe_options(made, requested), tiny_checkpoint, 32, prepared, stages, figures)
+
+    prepared, stages = {}, Stages(None, None, total=10)
+    first_figures, second_figures, third_figures = Figures(), Figures(), Figures()
+    first = prepared_for(recipe("a", group_size=32), {}, first_figures)
+    second = prepared_for(recipe("b", group_size=32, soc="SM8650"), {}, second_figures)
+    first_timings, second_timings = first_figures.timings.to_dict(), second_figures.timings.to_dict()
     # the quantized module is shared; each recipe gets its own export (a program lowers only once)
     assert second[0] is first[0] and second[1] is not first[1]
     assert "quantize" in first_timings and "quantize" not in second_timings
     assert second_timings["shared_quantization_with"] == "a" and "export" in second_timings
-    request.options = {"group_size": 64}
-    third = _prepare(recipe("c", group_size=32), tiny_checkpoint, request, prepared, stages, third_timings)
-    assert third[0] is not first[0] and "quantize" in third_timings
+    third = prepared_for(recipe("c", group_size=32), {"group_size": 64}, third_figures)
+    assert third[0] is not first[0] and "quantize" in third_figures.timings.to_dict()
     assert len(prepared) == 2
 
 
 def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     summary = run(RunRequest(recipes=["xnnpack-8da4w-emb4", "xnnpack-8da8w", "xnnpack-fp16"], out_dir=tmp_path,
                              model=str(tiny_llama_dir), max_seq_len=64, max_new_tokens=4,
                              prompt="what is the capital ?"))
     sizes = {}
-    for report in summary["recipes"]:
-        assert report["errors"] == [], report["errors"]
-        assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "executorch-runtime"]
-        assert report["fidelity"]["engine"] == "executorch-runtime"
-        linear = {o["op"]: o for o in report["delegation"]["ops"]}["aten_linear_default"]
+    for report in summary.recipes:
+        assert report.errors == [], report.errors
+        assert [g.engine for g in report.generations] == ["eager-fp32", "executorch-runtime"]
+        assert report.fidelity.engine == "executorch-runtime"
+        linear = {o["op"]: o for o in report.delegation.ops}["aten_linear_default"]
         # per layer: with ExecuTorch's attention ops 5 projections (q/k/v fused) + 1 rope rotation, with aten
         # SDPA (fp16) the 7 projections; in both, 2 norms' mean of squares. Plus the final norm and lm_head.
-        per_layer = (5 + 1 if report["recipe"]["name"] != "xnnpack-fp16" else 7) + 2
+        per_layer = (5 + 1 if report.recipe.name != "xnnpack-fp16" else 7) + 2
         assert linear["non_delegated"] == 0 and linear["delegated"] == 2 * per_layer + 1 + 1
-        sizes[report["recipe"]["name"]] = report["pte"]["bytes"]
+        sizes[report.recipe.name] = report.pte.bytes
     assert sizes["xnnpack-8da4w-emb4"] < sizes["xnnpack-8da8w"] < sizes["xnnpack-fp16"]
 
 
 def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path):
     """coreml-fp16 and coreml-fp32 share the fp32 module; the second lowering must not reuse a lowered program."""
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     summary = run(RunRequest(recipes=["coreml-fp16", "coreml-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir),
                              max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))
-    first, second = summary["recipes"]
-    assert first["errors"] == [] and second["errors"] == [], (first["errors"], second["errors"])
-    assert second["timings_s"]["shared_quantization_with"] == "coreml-fp16"
+    first, second = summary.recipes
+    assert first.errors == [] and second.errors == [], (first.errors, second.errors)
+    assert second.timings.shared_quantization_with == "coreml-fp16"
     assert (tmp_path / "coreml-fp16" / "model.pte").exists() and (tmp_path / "coreml-fp32" / "model.pte").exists()
     # coreml-fp16's whole-program delegation is checked here (the built-in model runs coreml-int4 only)
     for report in (first, second):
-        delegation = report["delegation"]
-        ops = {o["op"]: o for o in delegation["ops"]}
-        assert delegation["delegated_subgraphs"] == 1 and delegation["non_delegated_nodes"] <= 2
+        delegation = report.delegation
+        ops = {o["op"]: o for o in delegation.ops}
+        assert delegation.delegated_subgraphs == 1 and delegation.non_delegated_nodes <= 2
         for op in ("aten_linear_default", "aten_scaled_dot_product_attention_default"):
             assert ops[op]["delegated"] > 0 and ops[op]["non_delegated"] == 0, ops[op]
 

@@ -92,7 +92,7 @@ def _pt2e_logits_error(random_llama, algorithm):
     from quant.schemes import prepare_for_scheme, quant_args
     from recipes.lowering import export_program
     from recipes.registry import get_recipe
-    from recipes.run import quantize_exported
+    from recipes.prepare import quantize_exported
 
     config, state_dict, tokens, calibration = random_llama
     recipe = get_recipe("qnn-16a4w")
@@ -366,7 +366,7 @@ def test_pt2e_quantization_lets_the_float_weights_go_and_keeps_only_the_integer_
     from quant.calibration import calibration_inputs
     from recipes.lowering import export_program
     from recipes.registry import get_recipe
-    from recipes.run import quantize_exported
+    from recipes.prepare import quantize_exported
 
     recipe = get_recipe("qnn-16a4w")
     config, state_dict = tiny_checkpoint.config, tiny_checkpoint.state_dict

@@ -33,7 +33,8 @@ def test_small_vocabulary_spells_lowercase_prompts_before_rarer_characters():
 
 def test_random_checkpoint_folder_runs_in_executorch_llm_runner(tmp_path):
     from models.random_checkpoint import write_random_checkpoint
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -42,9 +43,9 @@ def test_random_checkpoint_folder_runs_in_executorch_llm_runner(tmp_path):
     folder = write_random_checkpoint(config, tmp_path / "random")
     summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=tmp_path / "out", model=str(folder),
                              prompt="what is the capital of France?", max_new_tokens=6, max_seq_len=64))
-    report = summary["recipes"][0]
-    assert report.get("runner_note") is None
-    by_engine = {g["engine"]: g for g in report["generations"]}
+    report = summary.recipes[0]
+    assert report.runner_note is None
+    by_engine = {g.engine: g for g in report.generations}
     runner = by_engine["executorch-llm-runner"]
-    assert runner["new_tokens"] == 6 and runner["prompt_note"] is None
-    assert runner["text"] == by_engine["executorch-runtime"]["text"]
+    assert runner.new_tokens == 6 and runner.prompt_note is None
+    assert runner.text == by_engine["executorch-runtime"].text

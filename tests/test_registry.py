@@ -51,16 +51,17 @@ def test_backend_file_outside_the_project_is_listed(tmp_path):
 
 def test_backend_file_outside_the_project_runs_through_run(tmp_path, tiny_llama_dir, monkeypatch):
     from recipes.registry import load_backends
-    from recipes.run import RunRequest, run
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     monkeypatch.syspath_prepend(str(_throwaway_package(tmp_path)))
     monkeypatch.setenv("LOWERBENCH_BACKEND_PACKAGES", PACKAGE)
     summary = run(RunRequest(recipes=["nothing-fp32"], out_dir=tmp_path / "out", model=str(tiny_llama_dir),
                              max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))
-    report = summary["recipes"][0]
-    assert report["errors"] == [], report["errors"]
-    assert report["recipe"]["backend"] == "nothing" and report["delegation"]["delegated_subgraphs"] == 0
-    assert [g["engine"] for g in report["generations"]] == ["eager-fp32", "executorch-runtime"]
-    assert (tmp_path / "out" / "model.pte").stat().st_size == report["pte"]["bytes"]
+    report = summary.recipes[0]
+    assert report.errors == [], report.errors
+    assert report.recipe.backend == "nothing" and report.delegation.delegated_subgraphs == 0
+    assert [g.engine for g in report.generations] == ["eager-fp32", "executorch-runtime"]
+    assert (tmp_path / "out" / "model.pte").stat().st_size == report.pte.bytes
     monkeypatch.delenv("LOWERBENCH_BACKEND_PACKAGES")
     assert "nothing" not in load_backends().backends  # gone with the variable

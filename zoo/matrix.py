@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.errors import UserFacingError
-from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry
+from recipes import thread_policy
+from recipes.report import JobSummary, package_versions, summary_rows
+from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS_RANDOM = "random bf16, shape-identical"
@@ -59,7 +61,7 @@ def weights_for(entry: ZooEntry, weights: str) -> tuple[str, str]:
     """(weights source, identity). `auto`: the built-in GGUF for the built-in model, the Hub when it answers,
     else a shape-identical random checkpoint."""
     if entry.builtin and weights in ("auto", "builtin"):
-        from models.checkpoint import builtin_gguf_path
+        from models.checkpoint import builtin_gguf_path  # loads torch, which a Ray task loads after its thread policy
 
         gguf = builtin_gguf_path()
         if gguf is not None:
@@ -88,9 +90,9 @@ def plan_cells(entries: list[ZooEntry], recipe_specs: list[str], max_seq_len: in
                weights: str = "auto") -> list[Cell]:
     """One cell per model x recipe. `recommended` stands for each model's recommended recipes, with their
     options; a zoo recommendation's options also apply when its recipe is named plainly."""
-    from recipes.run import versions
+    from recipes.registry import backend_packages  # loads torch, which a Ray task loads after its thread policy
 
-    found_versions = versions()
+    found_versions = package_versions(backend_packages())
     cells = []
     for entry in entries:
         source, identity = weights_for(entry, weights)
@@ -120,6 +122,7 @@ def cpu_name() -> str:
 
 
 def base_record(cell: Cell) -> dict:
+    # these load torch, which a Ray task loads after its thread policy
     from recipes.memory_estimate import parameter_count
     from recipes.registry import get_recipe
 
@@ -132,40 +135,39 @@ def base_record(cell: Cell) -> dict:
     }
 
 
-def record_from_report(record: dict, summary: dict, random_weights: bool) -> dict:
-    from recipes.run import summary_rows
-
-    report = summary["recipes"][0]
+def record_from_report(record: dict, summary: JobSummary, random_weights: bool) -> dict:
+    """The zoo's record of a cell from its one-recipe job."""
+    report = summary.recipes[0]
     row = summary_rows(summary)[0]
-    error = report["errors"][0] if report["errors"] else None
-    fidelity = report.get("fidelity") or {}
+    error = report.errors[0] if report.errors else None
+    fidelity = report.fidelity
     ratio = None
-    if fidelity.get("perplexity") and fidelity.get("perplexity_fp32"):
-        ratio = round(fidelity["perplexity"] / fidelity["perplexity_fp32"], 4)
+    if fidelity and fidelity.perplexity and fidelity.perplexity_fp32:
+        ratio = round(fidelity.perplexity / fidelity.perplexity_fp32, 4)
     return {
         **record,
         "status": "failed" if error else "ok",
-        "stage": error["stage"] if error else None,
-        "reason": error["message"] if error else None,
+        "stage": error.stage if error else None,
+        "reason": error.message if error else None,
         "delegated_percent": row["delegated_percent"], "pte_mb": row["pte_mb"], "export_s": row["export_s"],
-        "lower_s": row["lower_s"], "peak_rss_mb": report["timings_s"].get("peak_rss_mb"),
+        "lower_s": row["lower_s"], "peak_rss_mb": report.timings.peak_rss_mb,
         "decode_tokens_per_s": row["decode_tokens_per_s"], "engine": row["engine"],
         "perplexity_ratio": None if random_weights else ratio,
         "fidelity": NEEDS_REAL_WEIGHTS if random_weights else ("measured" if ratio is not None else "not measured"),
-        "runtime_note": report.get("runtime_note"),
+        "runtime_note": report.runtime_note,
         # the int4 algorithm the job ran, the scheme's default included (None: the scheme takes none)
-        "quant_algorithm": report["recipe"]["options"].get("quant_algorithm"),
+        "quant_algorithm": report.recipe.options.get("quant_algorithm"),
     }
 
 
 def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, tracker=None) -> dict:
     """The body of one Ray task: the same `run()` as `python -m recipes run`, one recipe, one model."""
-    from recipes import thread_policy
-
     thread_policy.limit_openmp_default()
     if tracker is not None:
         tracker.started.remote(cell.key)
-    from recipes.run import RunRequest, run
+    # torch loads here, after the thread policy
+    from recipes.request import RunRequest
+    from recipes.run import run
 
     record = {**base_record(cell), "host": platform.node()}  # on a cluster: the node that ran the cell
     started = time.perf_counter()
@@ -187,7 +189,7 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
 
 
 def build_checkpoint(config: dict, folder: str) -> str:
-    from models.random_checkpoint import write_random_checkpoint
+    from models.random_checkpoint import write_random_checkpoint  # loads torch, in the Ray task only
 
     return str(write_random_checkpoint(config, Path(folder)))
 
@@ -296,6 +298,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     import ray
     from tqdm import tqdm
 
+    # these load torch, which a Ray task loads after its thread policy
     from recipes.lowering import write_atomically
     from recipes.memory_estimate import estimate_job
     from recipes.registry import get_recipe
@@ -357,6 +360,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
 
 def write_results(out: Path) -> list[dict]:
     """results.json (every cell in out/cells), README.md and heatmap.png beside it."""
+    # these load torch, which a Ray task loads after its thread policy
     from recipes.lowering import write_atomically
     from zoo.report import write_readme
 
@@ -370,11 +374,9 @@ def write_results(out: Path) -> list[dict]:
 
 
 def run_from_args(args) -> int:
-    from zoo.entries import find_entry
-
     entries = [find_entry(name) for name in args.models]
     cells = plan_cells(entries, args.recipes, args.max_seq_len, generate=not args.export_only, weights=args.weights)
-    from recipes.registry import get_recipe
+    from recipes.registry import get_recipe  # loads torch, which a Ray task loads after its thread policy
 
     for cell in cells:
         get_recipe(cell.recipe)  # an unknown recipe name stops the matrix before any cell starts

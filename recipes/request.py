@@ -1,0 +1,128 @@
+"""What a job is asked to do (RunRequest), the checks that refuse it before any export, and each recipe's options
+resolved from its defaults and the request's."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from models.checkpoint import Checkpoint
+from models.errors import UserFacingError
+from models.prompting import prompt_token_ids
+from quant.quantize import check_options
+from quant.schemes import check_group_size, scheme_options
+from recipes.generate import DEFAULT_PROMPT
+from recipes.registry import Recipe, load_backends
+
+# Options every quantizing recipe may take (the CLI's --group-size, --quant-algorithm, --mixed-precision-budget).
+SHARED_OPTIONS = ("group_size", "quant_algorithm", "mixed_precision_budget")
+
+
+@dataclass
+class RunRequest:
+    recipes: list[str]
+    out_dir: Path
+    model: str | None = None
+    revision: str | None = None
+    token: str | None = field(default=None, repr=False)
+    allow_pickle: bool = False
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = 32
+    max_seq_len: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    options: dict = field(default_factory=dict)  # recipe options: group_size, ...
+    # False: only the .pte and its delegation report (CI jobs that test the .pte elsewhere); no sample
+    # generations and no fidelity, so the report's generations list is empty.
+    generate: bool = True
+    # An event-traced second pass of the generation, after the timed one (recipes/profile.py).
+    profile: bool = True
+    # ExecuTorch's ETRecord beside model.pte (its devtools map a profile back to the graph); it holds the
+    # exported and edge programs with their weights, a few times the .pte, so it is asked for.
+    etrecord: bool = False
+    # fidelity.layers: each decoder layer's error against fp32; where the .pte runs here it costs a second
+    # export and lowering (with the layer outputs tapped), so it is asked for.
+    layer_map: bool = False
+
+
+def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None) -> dict:
+    """The recipe options a user set, from the CLI's flags or the app's Advanced controls. Unset ones (None, 0,
+    "") are left out, so each recipe keeps its own defaults."""
+    given = {"group_size": int(group_size) if group_size else None, "quant_algorithm": quant_algorithm or None,
+             "mixed_precision_budget": None if mixed_precision_budget is None else float(mixed_precision_budget)}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def recipe_option_pairs(pairs: list[str]) -> dict:
+    """`KEY=VALUE` strings (the CLI's --option) as recipe options; whole numbers become ints."""
+    options = {}
+    for pair in pairs:
+        key, eq, value = (part.strip() for part in pair.partition("="))
+        if not eq or not key or not value:
+            raise UserFacingError(f"recipe option {pair!r} is not KEY=VALUE; write e.g. --option layers_per_shard=2.")
+        options[key] = int(value) if value.isdigit() else value
+    return options
+
+
+def recipe_defaults(recipe: Recipe) -> dict:
+    return {**scheme_options(recipe.quantization), **recipe.options}
+
+
+def recipe_options(recipe: Recipe, requested: dict) -> dict:
+    """The recipe's options: its defaults, overridden by the requested options it takes."""
+    defaults = recipe_defaults(recipe)
+    return {**defaults, **{k: v for k, v in requested.items() if k in defaults}}
+
+
+def preparation_key(recipe: Recipe, options: dict, max_seq_len: int) -> tuple:
+    """What makes two recipes' quantized modules the same, given each recipe's options. Source transforms depend
+    on the group size only, so backends that differ in other options (SoC, compute units) still share one
+    quantization. PT2E quantizers depend on every option: their modules are never shared."""
+    return (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
+            options.get("mixed_precision_budget"), recipe.export_options(max_seq_len))
+
+
+def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
+    if not request.recipes:
+        raise UserFacingError("no recipe chosen; pick at least one (see `python -m recipes list`).")
+    if len(set(request.recipes)) != len(request.recipes):
+        raise UserFacingError("a recipe is named twice; name each recipe once.")
+    if request.max_seq_len < 16:
+        raise UserFacingError(f"max context must be at least 16 tokens, got {request.max_seq_len}.")
+    if request.max_new_tokens < 1:
+        raise UserFacingError(f"max new tokens must be at least 1, got {request.max_new_tokens}.")
+    if request.max_new_tokens >= request.max_seq_len:
+        raise UserFacingError(
+            f"max new tokens ({request.max_new_tokens}) must be smaller than max context ({request.max_seq_len})."
+        )
+    if not request.prompt.strip():
+        raise UserFacingError("the prompt is empty; type a prompt.")
+    # The app sends every backend's options with every job; each recipe takes those it has. A name no recipe
+    # takes is a mistake (a typo would otherwise be dropped silently).
+    known = {key for recipe in load_backends().recipes.values() for key in recipe_defaults(recipe)}
+    unknown = sorted(set(request.options) - known - set(SHARED_OPTIONS))
+    if unknown:
+        raise UserFacingError(f"{', '.join(unknown)}: no recipe takes this option; the recipes' options: "
+                              f"{', '.join(sorted(known))} (`python -m recipes list` shows which recipe takes which).")
+    for recipe in recipes:
+        options = recipe_options(recipe, request.options)
+        check_group_size(recipe.quantization, options.get("group_size"))
+        check_options(recipe.quantization, options)
+        recipe.backend.check_options(options)
+
+
+def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
+    """Refuses, before any export, a context the model cannot hold or, when the job generates, a prompt that
+    does not fit in it (an export-only job has no prompt to fit)."""
+    limit = int(getattr(checkpoint.config, "max_position_embeddings", 0) or 0)
+    if limit and request.max_seq_len > limit:
+        raise UserFacingError(
+            f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens; choose at most {limit}."
+        )
+    if not request.generate:
+        return
+    prompt_tokens = len(prompt_token_ids(checkpoint.tokenizer, request.prompt))
+    if prompt_tokens + request.max_new_tokens > request.max_seq_len:
+        raise UserFacingError(
+            f"the prompt is {prompt_tokens} tokens; with {request.max_new_tokens} new tokens it does not fit in the "
+            f"max context of {request.max_seq_len}; shorten the prompt, lower max new tokens or raise max context."
+        )

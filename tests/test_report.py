@@ -1,0 +1,96 @@
+"""report.json as typed sections (recipes/report.py): files written before the report was typed load and write back
+unchanged, a job's report round-trips, the file is the report's one serialization, and the job's summary crosses
+a process boundary as plain data."""
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
+                            StageError, load_report, summary_rows)
+
+DATA = Path(__file__).resolve().parent / "data"
+OLD_REPORTS = sorted(DATA.glob("report_*.json"))
+
+
+@pytest.mark.parametrize("path", OLD_REPORTS, ids=lambda path: path.stem)
+def test_a_report_written_before_the_typed_report_loads_and_writes_back_unchanged(path):
+    written = json.loads(path.read_text())
+    report = load_report(path)
+    assert report.to_dict() == written
+    assert report.to_json() == json.dumps(written, indent=2)  # same keys in the same order
+    assert Report.from_dict(written, strict=True) == report  # every key has a field
+
+
+def test_old_reports_are_read_into_typed_sections():
+    fp32 = load_report(DATA / "report_xnnpack_fp32.json")
+    assert fp32.recipe.name == "xnnpack-fp32" and fp32.timings.export > 0 and fp32.timings.quant_algorithm is None
+    assert fp32.fidelity.heldout.top1_agreement_percent == 100.0 and fp32.fidelity.layers is None
+    assert [type(g) for g in fp32.generations] == [Generation, Generation] and fp32.profile is None
+    assert fp32.memory.estimate.eval_tokens and fp32.llm_metadata.get_eos_ids == [2]
+
+    mixed = load_report(DATA / "report_xnnpack_8da4w_mixed_profiled.json")
+    assert mixed.quantization.calibration.tokens == 512 and mixed.quantization.mixed_precision.units_8bit
+    assert mixed.fidelity.layers.engine == "executorch-runtime" and mixed.fidelity.layers.error is None
+    assert isinstance(mixed.profile.decode.ops[0], OpRow) and mixed.profile.files.etrecord == "etrecord.bin"
+
+    qnn = load_report(DATA / "report_qnn_8a8w_layer_map_error.json")
+    assert qnn.fidelity.perplexity > 0 and qnn.fidelity.layers.error.stage == "layer_map"
+    assert qnn.fidelity.layers.error.traceback and qnn.timings.calibration.prompts > 0
+    assert qnn.runtime_note and qnn.pte.bytes > 0
+
+    export_only = load_report(DATA / "report_vulkan_export_only.json")
+    assert export_only.generations == [] and export_only.fidelity is None
+    assert "export only" in export_only.generation_note and export_only.runner_note is None
+
+
+def test_summary_rows_of_an_old_report_are_the_rows_the_cli_printed():
+    report = load_report(DATA / "report_xnnpack_fp32.json")
+    summary = JobSummary(report.model, report.generations[0], [report])
+    assert summary_rows(summary) == json.loads((DATA / "summary_rows_xnnpack_fp32.json").read_text())
+
+
+def test_a_key_the_report_does_not_know_is_skipped_on_reading_and_refused_from_the_pipeline():
+    section = {"scheme": "8da4w", "algorithm": "awq", "weight_bytes_per_token": 10, "new_figure": 1}
+    assert Quantization.from_dict(section) == Quantization("8da4w", "awq", weight_bytes_per_token=10)
+    with pytest.raises(ValueError, match="new_figure"):
+        Quantization.from_dict(section, strict=True)
+    # timings keep the seconds of parts they do not name, as they are
+    report = Report.from_dict({"timings_s": {"export": 1.0, "new_part": 2.0}})
+    assert report.timings.export == 1.0 and report.to_dict()["timings_s"] == {"export": 1.0, "new_part": 2.0}
+
+
+def test_a_failed_measurement_is_its_error_alone():
+    failed = Fidelity(error=StageError("fidelity", "ValueError: no logits", "Traceback ..."))
+    assert failed.to_dict() == {"error": {"stage": "fidelity", "message": "ValueError: no logits",
+                                          "traceback": "Traceback ..."}}
+    assert Fidelity.from_dict(failed.to_dict()) == failed
+    no_map = LayerMap(error=StageError("layer_map", "the graph has no decoder layers"))
+    assert no_map.to_dict() == {"error": {"stage": "layer_map", "message": "the graph has no decoder layers"}}
+
+
+def test_a_jobs_report_round_trips_and_is_the_file_on_disk(runner_llama_run):
+    folder, report = runner_llama_run
+    assert isinstance(report.generations[1], RunnerGeneration) and report.profile is not None
+    assert Report.from_dict(report.to_dict()) == report
+    written = json.loads((folder / "report.json").read_text())
+    assert written == report.to_dict()
+    assert Report.from_dict(written, strict=True) == report
+
+
+def test_the_summary_unpickles_where_torch_is_not_loaded(runner_llama_run, tmp_path):
+    """The app gets the summary from the job's process through a queue: plain data, read without torch."""
+    _folder, report = runner_llama_run
+    summary = JobSummary(report.model, report.generations[0], [report])
+    path = tmp_path / "summary.pickle"
+    path.write_bytes(pickle.dumps(summary))
+    assert pickle.loads(path.read_bytes()) == summary
+    code = ("import pickle, sys; summary = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(summary.recipes[0].recipe.name, 'torch' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    shown = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert shown == ["xnnpack-fp32", "False"]

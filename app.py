@@ -31,6 +31,7 @@ ON_SPACE = bool(os.environ.get("SPACE_ID"))
 
 def backends() -> dict[str, list]:
     """Recipes grouped by backend name, in the registry's order: the backends whose .pte runs here first."""
+    # loads torch, which main() lets load only after the thread policy is set
     from recipes.registry import RECIPES, load_backends
 
     registry = load_backends()
@@ -199,6 +200,7 @@ def option_fields(option_defaults: dict) -> list:
 def quant_algorithm_choices() -> list[tuple[str, str]]:
     """The quantization algorithm dropdown's (label, value) pairs: each scheme's default, then every algorithm
     of quant/algorithms.py with its one-line description."""
+    # loads torch, which main() lets load only after the thread policy is set
     from quant.algorithms import ALGORITHMS
     from quant.schemes import SCHEMES, scheme_options
 
@@ -214,6 +216,7 @@ def quant_controls() -> tuple:
     --quant-algorithm and --mixed-precision-budget) and the per-layer error map (--layer-map)."""
     import gradio as gr
 
+    # loads torch, which main() lets load only after the thread policy is set
     from quant.schemes import SCHEMES, scheme_options
 
     def schemes_taking(option: str) -> list[str]:
@@ -252,6 +255,7 @@ def layer_map_panel(recipe_dirs_state, asked, finished_event) -> None:
     import gradio as gr
     import pandas as pd
 
+    # loads torch, which main() lets load only after the thread policy is set
     from recipes.layer_map import sqnr_chart_rows
 
     with gr.Column(visible=False) as panel:
@@ -355,6 +359,7 @@ def lower_page() -> dict:
     import gradio as gr
     import pandas as pd
 
+    # loads torch, which main() lets load only after the thread policy is set
     from recipes.generate import DEFAULT_PROMPT
     from recipes.request import RunRequest, user_options
 

@@ -22,18 +22,20 @@ from recipes import thread_policy
 if __name__ == "__main__" and sys.argv[1:2] == ["time"]:
     thread_policy.limit_openmp_default()
 
+from bench.decode import load_tokenizer, MAX_SEQ_LEN, runtime_engine_step, set_runtime_threads, _NeverStops  # noqa: E402
+from bench.floor import delegated_work  # noqa: E402
+from bench.scaling import export_recipe  # noqa: E402
+from models.checkpoint import load_folder  # noqa: E402
+from models.llama import Attention, RMSNorm  # noqa: E402
 from recipes import generate as gen  # noqa: E402
+from recipes.lowering import write_atomically  # noqa: E402
 
 
 def _no_sdpa() -> None:
-    from models.llama import Attention
-
     Attention.attend_cache_custom = lambda self, q, start_pos: q
 
 
 def _no_cache_write() -> None:
-    from models.llama import Attention
-
     Attention.write_cache_custom = lambda self, k, v, start_pos: None
 
 
@@ -43,14 +45,10 @@ def _no_shared_kernels() -> None:
 
 
 def _no_norm_math() -> None:
-    from models.llama import RMSNorm
-
     RMSNorm.forward = lambda self, x: self.weight * x
 
 
 def _no_attention() -> None:
-    from models.llama import Attention
-
     Attention.forward = lambda self, x, rope, start_pos, positions, mask: self.o_proj(x)
 
 
@@ -69,11 +67,6 @@ ABLATIONS = {
 
 
 def export_variant(hf: str, variant: str, out: str, max_seq_len: int) -> dict:
-    from bench.floor import delegated_work
-    from bench.scaling import export_recipe
-    from models.checkpoint import load_folder
-    from recipes.lowering import write_atomically
-
     ABLATIONS[variant][1]()
     checkpoint = load_folder(hf)
     timings, lowered = export_recipe(checkpoint.config, checkpoint.state_dict, "xnnpack-8da4w", max_seq_len)
@@ -88,8 +81,6 @@ def export_variant(hf: str, variant: str, out: str, max_seq_len: int) -> dict:
 def time_engines(hf: str, specs: list[str], rounds: int, new_tokens: int, threads: int) -> dict:
     """Every engine loaded once; each round runs one greedy generation per engine, the order reversed
     every other round, so a slow spell of the machine falls on all of them alike."""
-    from bench.decode import MAX_SEQ_LEN, _NeverStops, load_tokenizer, runtime_engine_step, set_runtime_threads
-
     tokenizer = _NeverStops(load_tokenizer(hf))
     set_runtime_threads(threads)
     engines = []

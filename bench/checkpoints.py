@@ -10,6 +10,7 @@ HF_FOLDER = CACHE / "smollm2-135m-hf"
 
 
 def builtin_gguf() -> Path:
+    # loads torch, which bench's driver leaves to the processes it starts
     from models.checkpoint import builtin_gguf_path
 
     path = builtin_gguf_path()

@@ -29,6 +29,8 @@ if __name__ == "__main__" and sys.argv[1:2] in (["lowerbench-pte"], ["optimum-pt
 import torch  # noqa: E402
 
 from recipes import generate as gen  # noqa: E402
+from recipes.backends.xnnpack import BACKEND  # noqa: E402
+
 
 MAX_SEQ_LEN = 512
 
@@ -65,8 +67,6 @@ def runtime_engine_step(pte: str, positions: str):
     positions="start": Lowerbench's forward(tokens, input_pos[1]); "all": optimum's
     forward(input_ids, cache_position[T]). Without the policy's OpenMP default (--stock-threads) the
     step's per-call thread setting does nothing, so the same step serves both."""
-    from recipes.backends.xnnpack import BACKEND
-
     step = gen.runtime_step(gen.load_runtime_method(pte, BACKEND.runtime_imports))
     if positions == "start":
         return step

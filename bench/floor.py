@@ -35,7 +35,14 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.decode import MAX_SEQ_LEN  # noqa: E402  (the context the benchmark exports with)
+from bench.decode import MAX_SEQ_LEN, set_runtime_threads  # noqa: E402  (MAX_SEQ_LEN: the context the benchmark exports with)
+from bench.memory import INT4_G32_BYTES_PER_WEIGHT  # noqa: E402
+from models.llama import Attention, ExportOptions, LlamaShape, RMSNorm  # noqa: E402
+from quant.schemes import quantize_linears_8da4w  # noqa: E402
+from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners  # noqa: E402
+from recipes.generate import load_runtime_method  # noqa: E402
+from recipes.lowering import lower_to_pte  # noqa: E402
+
 
 HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
 GROUP = 32
@@ -84,7 +91,6 @@ class _Norms(nn.Module):
 
     def __init__(self, count: int, xnnpack_mean: bool):
         super().__init__()
-        from models.llama import RMSNorm
 
         self.norms = nn.ModuleList(RMSNorm(HIDDEN, 1e-5, form="linear-mean") for _ in range(count))
         self.xnnpack_mean = xnnpack_mean
@@ -107,7 +113,6 @@ class _Attention(nn.Module):
         super().__init__()
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers the llama:: ops)
 
-        from models.llama import Attention, ExportOptions, LlamaShape
 
         shape = LlamaShape(vocab_size=1, hidden=HIDDEN, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
                            n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, attention_bias=False,
@@ -130,10 +135,6 @@ class _Attention(nn.Module):
 def _lower_attention():
     """The attention probe through Lowerbench's lowering with XNNPACK's partitioners: nothing in it is
     delegable, so it runs on ExecuTorch's kernels as in the real program."""
-    from recipes.generate import load_runtime_method
-    from recipes.lowering import lower_to_pte
-    from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
-
     example = (torch.randn(1, 1, HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM),
                torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.tensor([DECODE_POSITIONS[0]]))
     with torch.no_grad():
@@ -161,19 +162,12 @@ def _time_attention(attention, streamer, x) -> tuple[float, float]:
 
 
 def _weight_bytes(module: nn.Module) -> int:
-    from bench.memory import INT4_G32_BYTES_PER_WEIGHT
-
     return int(sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear)) * INT4_G32_BYTES_PER_WEIGHT)
 
 
 def _lower(module: nn.Module, quantize: bool):
     """module -> loaded runtime method, through the xnnpack-8da4w path: dynamic token dimension, as the
     real program has (so XNNPACK reshapes on every call there too)."""
-    from quant.schemes import quantize_linears_8da4w
-    from recipes.generate import load_runtime_method
-    from recipes.lowering import lower_to_pte
-    from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
-
     module.eval()
     if quantize:
         quantize_linears_8da4w(module, GROUP)
@@ -201,8 +195,6 @@ def probes() -> dict[str, tuple[nn.Module, bool]]:
 
 
 def measure(rounds: int, threads: int, calls: int = 20) -> dict:
-    from bench.decode import set_runtime_threads
-
     set_runtime_threads(threads)
     built = probes()
     weight_bytes = {name: _weight_bytes(module) for name, (module, _) in built.items()}

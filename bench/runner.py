@@ -26,6 +26,7 @@ LONG_ANSWER_PROMPT = "Write a long story about a dragon who learns to fly."
 
 
 def generate_in_runner(pte: str, tokenizer_json: str, hf: str, prompt: str, new_tokens: int, threads: int) -> dict:
+    # loads torch, which bench's driver leaves to the processes it starts
     from bench.decode import load_tokenizer, set_runtime_threads
     from recipes.llm_runner import generate_with_runner
     from recipes.backends.xnnpack import BACKEND

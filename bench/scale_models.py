@@ -81,6 +81,7 @@ def make_checkpoint(name: str, dest: Path, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    # loads torch, which bench's driver leaves to the processes it starts
     from models.random_checkpoint import shape_tokenizer
 
     dest = Path(dest)

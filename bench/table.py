@@ -353,6 +353,7 @@ def _front_beats(row: dict) -> str:
 
 
 def _front_8bit(row: dict) -> str:
+    # loads torch, which bench's driver leaves to the processes it starts
     from quant.mixed_precision import describe_units
 
     # rows measured before the output layer became a unit list decoder layer indices

@@ -15,6 +15,13 @@ from pathlib import Path
 import torch
 
 from models.errors import UserFacingError
+from models.llama import LlamaShape
+from quant.algorithms import ALGORITHMS, LIGHTEST_ALGORITHM
+from quant.calibration import CALIBRATION_TOKENS
+from quant.quantize import quantizes_by_unit, recipe_algorithm, transforms_by_unit
+from quant.schemes import SCHEMES
+from recipes import rss
+from recipes.fidelity import EVAL_TEXT, HELDOUT_TEXT
 
 GB = 1e9
 LIMIT_ENV = "LOWERBENCH_MEMORY_LIMIT_GB"
@@ -105,8 +112,6 @@ def _lowering_bytes(recipe, w: _Weights, pte: float, pte_lin: float, options: di
 
 
 def _weights(config) -> _Weights:
-    from models.llama import LlamaShape
-
     s = LlamaShape.from_config(config)
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     per_layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate
@@ -131,14 +136,10 @@ def checkpoint_dtype(config) -> torch.dtype:
 
 def _eval_tokens() -> list[int]:
     """Tokens of each fidelity text (the evaluation text and the held-out one), guessed from their length."""
-    from recipes.fidelity import EVAL_TEXT, HELDOUT_TEXT
-
     return [int(len(Path(text).read_text()) * EVAL_TOKENS_PER_CHAR) for text in (EVAL_TEXT, HELDOUT_TEXT)]
 
 
 def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
-    from models.llama import LlamaShape
-
     s = LlamaShape.from_config(config)
     return 2 * s.n_layers * max_seq_len * s.n_kv_heads * s.head_dim * dtype_bytes
 
@@ -166,12 +167,6 @@ def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
 def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
               reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
               eval_tokens: list[int] | None = None) -> JobEstimate:
-    from models.llama import LlamaShape
-    from quant.algorithms import ALGORITHMS
-    from quant.calibration import CALIBRATION_TOKENS
-    from quant.quantize import quantizes_by_unit, recipe_algorithm, transforms_by_unit
-    from quant.schemes import SCHEMES
-
     w = _weights(config)
     vocab = config.vocab_size
     stored_bytes = torch.finfo(checkpoint_dtype(config)).bits // 8
@@ -256,8 +251,6 @@ def memory_budget() -> tuple[int, str]:
     holds, or LOWERBENCH_MEMORY_LIMIT_GB when that is lower (a Space sets 16)."""
     import psutil
 
-    from recipes import rss
-
     free = psutil.virtual_memory().available + rss.rss_bytes()
     budget, where = free, f"{free / GB:.1f} GB free RAM"
     limit = os.environ.get(LIMIT_ENV)
@@ -286,8 +279,6 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
         alone = {r.name: estimate_job(config, [r], max_seq_len, generate, budget, options, eval_tokens).peak_rss_bytes
                  for r in recipes}
         choices.append("one recipe at a time (" + ", ".join(f"{n}: {b / GB:.1f} GB" for n, b in alone.items()) + ")")
-    from quant.algorithms import LIGHTEST_ALGORITHM
-    from quant.schemes import SCHEMES
 
     lightest = {r.name: {"quant_algorithm": LIGHTEST_ALGORITHM} for r in recipes
                 if LIGHTEST_ALGORITHM in SCHEMES[r.quantization].algorithms}

@@ -3,6 +3,7 @@ functions count too), the layers point one way, and a backend is named by no mod
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,17 +23,8 @@ def project_modules() -> dict[str, Path]:
 def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules a file imports, at any depth of its code: `from a.b import c` counts a.b.c when that
     is a module, else a.b."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                     for alias in node.names]
-        else:
-            continue
-        found.update(name for name in names if name in modules)
-    return found
+    return {name for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for name in imported_modules_of(node, modules)}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -101,3 +93,48 @@ def test_no_module_outside_a_backend_file_imports_it():
     wrong = {module: sorted(targets & backends) for module, targets in graph.items()
              if not module.startswith(("recipes.backends", "bench")) and targets & backends}
     assert wrong == {}
+
+
+def unexplained_function_imports(path: Path, modules: dict[str, Path]) -> list[str]:
+    """Project imports inside functions with no comment saying why: on the import's own line, or on a line of
+    the run of imports and comments just above it (one reason may cover a run)."""
+    lines = path.read_text().splitlines()
+    found = []
+    for function in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or not imported_modules_of(node, modules):
+                continue
+            above = node.lineno - 2
+            explained = "#" in lines[node.lineno - 1]
+            while not explained and above >= 0 and lines[above].strip().startswith(("from ", "import ", "#")):
+                explained = "#" in lines[above]
+                above -= 1
+            if not explained:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def imported_modules_of(node, modules: dict[str, Path]) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if node.module is None or node.level:
+        return set()
+    return {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+            for alias in node.names} & set(modules)
+
+
+def test_an_unexplained_function_import_is_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "a.py").write_text("def f():\n    import b\n\n\ndef g():\n    # loads torch\n    import b\n")
+    (tmp_path / "b.py").write_text("")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert unexplained_function_imports(tmp_path / "a.py", modules) == ["a.py:2: import b"]
+
+
+def test_a_project_import_inside_a_function_says_why():
+    """At the top of its module unless it is heavy or optional (loading torch before a process's thread policy,
+    say): then a comment says so."""
+    modules = project_modules()
+    assert [line for path in modules.values() for line in unexplained_function_imports(path, modules)] == []

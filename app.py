@@ -20,8 +20,9 @@ from models.hub import check_repo_id
 from recipes import thread_policy
 from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
 from recipes.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
-from recipes.publish import SHIPPED_FILES, push_to_hub
-from recipes.report import JobSummary, Report, RunnerGeneration, summary_rows
+from recipes.publish import push_to_hub, zip_recipe_folder
+from recipes.report import JobSummary, Report, RunnerGeneration
+from recipes.summary import decision_chart, summary_rows
 from zoo import entries as zoo
 
 ROOT = Path(__file__).resolve().parent
@@ -92,15 +93,34 @@ def filter_ops(rows: list[dict], choice: str):
     return pd.DataFrame(kept, columns=["backend", "recipe", "op", "delegated", "non_delegated"])
 
 
-def delegation_frame(rows: list[dict]):
+def delegation_frame(summary: JobSummary):
     import pandas as pd
 
     long = []
-    for row in rows:
-        for kind in ("delegated", "non_delegated"):
-            long.append({"recipe": row["recipe"], "nodes": row[f"{kind}_nodes"] or 0,
-                         "kind": kind.replace("_", "-")})
+    for report in summary.recipes:
+        delegation = report.delegation
+        for kind, nodes in (("delegated", delegation.delegated_nodes if delegation else 0),
+                            ("non-delegated", delegation.non_delegated_nodes if delegation else 0)):
+            long.append({"recipe": report.recipe.name, "nodes": nodes or 0, "kind": kind})
     return pd.DataFrame(long, columns=["recipe", "nodes", "kind"])
+
+
+DECISION_COLUMNS = ["recipe", "x", "perplexity_ratio", "pte_mb", "label"]
+
+
+def decision_plot(summary: JobSummary):
+    """Speed (or bytes read per token) against fidelity, a point per recipe labelled with its engine and .pte size;
+    and the line saying what measured the axes."""
+    import gradio as gr
+    import pandas as pd
+
+    chart = decision_chart(summary)
+    points = [{**p, "label": f"{p['label']} · {p['pte_mb']:.0f} MB .pte"} for p in chart.points]
+    frame = pd.DataFrame(points, columns=DECISION_COLUMNS)
+    plot = gr.ScatterPlot(frame, x="x", y="perplexity_ratio", color="label", x_title=chart.x_title,
+                          y_title="perplexity vs fp32 (×)", color_title="recipe · engine · .pte size",
+                          visible=bool(points))
+    return plot, chart.note if points else f"No decision chart: {chart.note}"
 
 
 def generation_columns(summary: JobSummary) -> str:
@@ -131,13 +151,10 @@ def generation_columns(summary: JobSummary) -> str:
     return f'<div class="lb-cols">{"".join(cells)}</div>'
 
 
-def download_files(summary: JobSummary) -> list[str]:
-    files = []
-    for report in summary.recipes:
-        if report.pte:
-            recipe_dir = Path(report.pte.path).parent
-            files += [str(recipe_dir / name) for name in SHIPPED_FILES if (recipe_dir / name).is_file()]
-    return files
+def download_files(summary: JobSummary, job: Path) -> list[str]:
+    """One zip per finished recipe, in the job's folder: everything its folder holds, with its model card."""
+    return [str(zip_recipe_folder(Path(report.pte.path).parent, job / f"{report.recipe.name}.zip"))
+            for report in summary.recipes if report.pte]
 
 
 CSS = """
@@ -394,20 +411,20 @@ def lower_page() -> dict:
         except UserFacingError as err:
             remember_error(session, "lower", str(err))
             raise gr.Error(str(err), print_exception=False) from None
-        rows = summary_rows(summary)
         ops = op_rows(summary)
-        finished = [r.recipe.name for r in summary.recipes if r.pte]
-        failed = [r for r in rows if r["error"]]
-        status = f"Job `{job.name}`: {len(rows) - len(failed)} of {len(rows)} recipes finished."
-        dirs = {r.recipe.name: str(Path(r.pte.path).parent) for r in summary.recipes if r.pte}
+        reports = summary.recipes
+        finished = [r.recipe.name for r in reports if r.pte]
+        failed = [r for r in reports if r.errors]
+        status = f"Job `{job.name}`: {len(reports) - len(failed)} of {len(reports)} recipes finished."
+        dirs = {r.recipe.name: str(Path(r.pte.path).parent) for r in reports if r.pte}
         return (
-            status, pd.DataFrame(rows), delegation_frame(rows),
+            status, pd.DataFrame(summary_rows(summary)), delegation_frame(summary),
             filter_ops(ops, "all"),
-            gr.Dropdown(choices=["all", *dict.fromkeys(r["backend"] for r in rows), *(r["recipe"] for r in rows)],
-                        value="all"),
-            generation_columns(summary), download_files(summary),
+            gr.Dropdown(choices=["all", *dict.fromkeys(r.recipe.backend for r in reports),
+                                 *(r.recipe.name for r in reports)], value="all"),
+            generation_columns(summary), download_files(summary, job),
             gr.Dropdown(choices=finished, value=finished[0] if finished else None), ops, dirs,
-            gr.Column(visible=True),
+            gr.Column(visible=True), *decision_plot(summary),
         )
 
     def cancel(request: gr.Request):
@@ -467,12 +484,17 @@ def lower_page() -> dict:
 
     with gr.Column(visible=False) as results:
         summary_table = gr.DataFrame(label="Summary (one row per recipe)", elem_id="summary-table")
+        gr.Markdown("### Which recipe: speed against fidelity")
+        decision = gr.ScatterPlot(x="x", y="perplexity_ratio", color="label", label="Decision chart",
+                                  elem_id="decision-chart")
+        decision_note = gr.Markdown(elem_id="decision-note")
         chart = gr.BarPlot(x="recipe", y="nodes", color="kind", label="Delegated vs non-delegated nodes")
         op_filter = gr.Dropdown(["all"], value="all", label="Per-op table: backend or recipe")
         op_table = gr.DataFrame(label="Per-op delegation")
         gr.Markdown("### Sample generations")
         generations = gr.HTML(elem_id="generations")
-        files = gr.File(label="Downloads (.pte and report.json per recipe)", file_count="multiple")
+        files = gr.File(label="Downloads (one zip per recipe: its folder and model card)", file_count="multiple",
+                        elem_id="downloads")
         with gr.Accordion("Push to Hub", open=False):
             push_recipe = gr.Dropdown([], label="Recipe")
             repo_name = gr.Textbox(label="Repo (name, or owner/name; created if missing)")
@@ -489,7 +511,7 @@ def lower_page() -> dict:
         [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
          group_size, options_box, export_only, layer_map],
         [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
-         results],
+         results, decision, decision_note],
         api_name="lower", show_progress_on=[status],
     )
     finished.failure(lower_failed, None, [status, results], queue=False, api_visibility="private")

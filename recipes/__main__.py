@@ -9,7 +9,7 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from recipes import thread_policy
-from recipes.report import summary_rows
+from recipes.summary import summary_rows, text_table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                           "this costs a second export and lowering")
     run.add_argument("--etrecord", action="store_true",
                      help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
+    run.add_argument("--json", action="store_true",
+                     help="print the summary rows as JSON (the labels of summary.json) instead of a table")
     return parser
 
 
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: could not write to {args.out}: {err.strerror or err}; free space or choose another --out.",
               file=sys.stderr)
         return 2
-    print(json.dumps(summary_rows(summary), indent=2))
+    rows = summary_rows(summary)
+    print(json.dumps(rows, indent=2, ensure_ascii=False) if args.json else text_table(rows))
     failed = [report for report in summary.recipes if report.errors]
     for report in failed:
         print(f"error: {report.recipe.name}: {report.errors[0].message}", file=sys.stderr)

@@ -351,6 +351,9 @@ class _HashingWriter:
         self.size += len(data)
         return self.f.write(data)
 
+    def flush(self) -> None:
+        self.f.flush()
+
 
 def write_atomically(path: Path, data: bytes | Callable) -> tuple[int, str]:
     """Write to a temp file beside `path`, fsync, rename: readers see the old file or the whole new one.

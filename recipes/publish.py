@@ -1,18 +1,22 @@
-"""Publish one recipe's folder (model.pte, tokenizer.json, tokenizer_config.json, report.json) to a Hugging Face Hub model repo with a generated
-model card. Used by the app's "Push to Hub" button and callable from scripts:
+"""Hand over one recipe's folder (model.pte, tokenizer.json, tokenizer_config.json, report.json, profile files)
+with a generated model card: pushed to a Hugging Face Hub model repo, or as one zip. Used by the app's "Push to
+Hub" button and downloads, and callable from scripts:
 
-    from recipes.publish import push_to_hub
+    from recipes.publish import push_to_hub, zip_recipe_folder
     url = push_to_hub("out/smollm2-8da4w", "me/smollm2-8da4w-xnnpack", token=os.environ["HF_TOKEN"])
+    zip_path = zip_recipe_folder("out/smollm2-8da4w", "out/smollm2-8da4w.zip")
 """
 from __future__ import annotations
 
 import json
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 from models.errors import UserFacingError
 from recipes.how_to_run import how_to_run
+from recipes.lowering import write_atomically
 from recipes.profile_view import model_card_lines
 from recipes.report import Report, load_report
 from recipes.tokenizer_files import TOKENIZER_FILES
@@ -93,9 +97,7 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
     if missing:
         raise UserFacingError(f"{recipe_dir} has no {', '.join(missing)}; run the recipe first.")
     report = load_report(recipe_dir / "report.json")
-    chat_template = json.loads((recipe_dir / "tokenizer_config.json").read_text()).get("chat_template")
-    if isinstance(chat_template, list):  # several named templates: the runners' prompt is the default one
-        chat_template = next((t.get("template") for t in chat_template if t.get("name") == "default"), None)
+    chat_template = folder_chat_template(recipe_dir)
     repo_id = repo_id.strip()
     if not repo_id:
         raise UserFacingError("give a repo name to push to, e.g. 'smollm2-xnnpack-8da4w'.")
@@ -129,3 +131,38 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
         raise UserFacingError(f"cannot reach the Hub to push {repo_id} ({type(err).__name__}); check the "
                               "network and try again.") from None
     return commit.commit_url if hasattr(commit, "commit_url") else str(commit)
+
+
+def folder_chat_template(recipe_dir: Path) -> str | None:
+    """The chat template of the folder's tokenizer_config.json, for the model card."""
+    config = Path(recipe_dir) / "tokenizer_config.json"
+    chat_template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(chat_template, list):  # several named templates: the runners' prompt is the default one
+        chat_template = next((t.get("template") for t in chat_template if t.get("name") == "default"), None)
+    return chat_template
+
+
+# Files stored as they are in a zip: a program's weights hardly compress, and deflating gigabytes takes minutes.
+STORED_SUFFIXES = (".pte", ".ptd", ".bin", ".etdump")
+
+
+def zip_recipe_folder(recipe_dir: str | Path, zip_path: str | Path) -> Path:
+    """Everything in the recipe's folder (its .pte, tokenizer files, report, profile files) and its model card as
+    README.md, in one zip written atomically. Zips and half-written files in the folder are left out."""
+    recipe_dir, zip_path = Path(recipe_dir), Path(zip_path)
+    missing = [name for name in SHIPPED_FILES if not (recipe_dir / name).is_file()]
+    if missing:
+        raise UserFacingError(f"{recipe_dir} has no {', '.join(missing)}; run the recipe first.")
+    files = sorted(f for f in recipe_dir.iterdir()
+                   if f.is_file() and f.suffix != ".zip" and not f.name.startswith(".") and f.name != "README.md")
+    card = model_card(load_report(recipe_dir / "report.json"), folder_chat_template(recipe_dir))
+
+    def write(stream) -> None:
+        with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as archive:
+            for file in files:
+                stored = file.suffix in STORED_SUFFIXES
+                archive.write(file, file.name, compress_type=zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED)
+            archive.writestr("README.md", card)
+
+    write_atomically(zip_path, write)
+    return zip_path

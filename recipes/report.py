@@ -455,32 +455,3 @@ class JobSummary:
     model: ModelInfo
     reference: Generation | None
     recipes: list[Report]
-
-
-def summary_rows(summary: JobSummary) -> list[dict]:
-    """One row per recipe: the side-by-side table of the app, the CLI's output and summary.json."""
-    rows = []
-    for report in summary.recipes:
-        delegation, fidelity = report.delegation or Delegation(), report.fidelity or Fidelity()
-        runtime = [g for g in report.generations if g != summary.reference]
-        rows.append({
-            "recipe": report.recipe.name,
-            "backend": report.recipe.backend,
-            "delegated_subgraphs": delegation.delegated_subgraphs,
-            "delegated_nodes": delegation.delegated_nodes,
-            "non_delegated_nodes": delegation.non_delegated_nodes,
-            "delegated_percent": delegation.delegated_percent,
-            "pte_mb": round(report.pte.bytes / 1e6, 2) if report.pte else None,
-            "export_s": report.timings.export,
-            "lower_s": report.timings.lower,
-            "decode_tokens_per_s": runtime[0].decode_tokens_per_s if runtime else None,
-            "engine": runtime[0].engine if runtime else None,
-            "fidelity": report.fidelity.to_dict() if report.fidelity else None,
-            "perplexity": fidelity.perplexity,
-            "perplexity_fp32": fidelity.perplexity_fp32,
-            "top1_agreement_percent": fidelity.top1_agreement_percent,
-            "mean_kl": fidelity.mean_kl,
-            "meets_target": fidelity.meets_target,
-            "error": report.errors[0].message if report.errors else None,
-        })
-    return rows

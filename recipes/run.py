@@ -26,14 +26,14 @@ from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend
 from recipes.prepare import Prepared, prepare
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.report import (Delegation, Fidelity, Generation, JobSummary, LayerMap, LlmMetadata, Memory,
-                            MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions,
-                            summary_rows)
+                            MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
 from recipes.request import RunRequest, check_context, preparation_key, recipe_options, validate_request
 from recipes.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
+from recipes.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
 from recipes.tokenizer_files import tokenizer_files
 
 # The eager reference runs in fp32 when it fits, else in the checkpoint's own dtype (memory_estimate.py).
-REFERENCE_ENGINES = {torch.float32: gen.ENGINE_EAGER_FP32, torch.bfloat16: "eager-bf16", torch.float16: "eager-fp16"}
+REFERENCE_ENGINES = dict(zip((torch.float32, torch.bfloat16, torch.float16), REFERENCE_ENGINE_NAMES))
 
 
 @dataclass
@@ -80,7 +80,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         reports.append(_run_recipe(job, recipe, options[recipe.name], recipe_dir, needed_later))
     summary = JobSummary(job.model, job.reference, reports)
     if len(recipes) > 1:
-        write_atomically(out_dir / "summary.json", json.dumps(summary_rows(summary), indent=2).encode())
+        write_atomically(out_dir / "summary.json", json.dumps(summary_rows(summary), indent=2, ensure_ascii=False).encode())
     if progress:
         progress(1.0, "done")
     return summary

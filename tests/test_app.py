@@ -39,7 +39,7 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
 
     started = time.time()
     client = Client(app["url"], verbose=False)
-    status, summary, chart, ops, op_filter, generations, files, push_recipe = lower(
+    status, summary, chart, ops, op_filter, generations, files, push_recipe, decision, note = lower(
         client, **tiny_args(tiny_llama_dir, recipes=["xnnpack-fp32", "xnnpack-8da4w"], token=TOKEN))
     print(f"tiny job with two recipes: {time.time() - started:.1f} s")
 
@@ -47,8 +47,9 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
     assert [row[0] for row in summary["data"]] == ["xnnpack-fp32", "xnnpack-8da4w"]
     assert generations.index("eager-fp32") < generations.index("executorch-runtime")
     assert generations.count("executorch-runtime") == 2
-    names = sorted(Path(f).name for f in files)
-    assert names == sorted(["model.pte", "tokenizer.json", "tokenizer_config.json", "report.json"] * 2)
+    assert sorted(Path(f).name for f in files) == ["xnnpack-8da4w.zip", "xnnpack-fp32.zip"]
+    assert [point[0] for point in decision["value"]["data"]] == ["xnnpack-fp32", "xnnpack-8da4w"]
+    assert "each .pte on the ExecuTorch runtime" in note
     jobs = [p for p in app["jobs"].iterdir()]
     job = next(j for j in jobs if j.name in status)
     for recipe in ("xnnpack-fp32", "xnnpack-8da4w"):
@@ -246,11 +247,39 @@ def test_browser_lowers_the_builtin_model(builtin_run):
     _job, _reports, shown = builtin_run
     print(f"built-in xnnpack-fp32 + xnnpack-8da4w through the browser: {shown['seconds']} s")
     assert "xnnpack-8da4w" in shown["summary"] and "xnnpack-fp32" in shown["summary"]
+    # every cell a person reads is a figure, a name or a dash: no object, None, NaN or raw dict
+    cells = shown["summary_cells"]
+    assert cells and not [c for c in cells if not c.strip() or any(bad in c for bad in ("[object", "None", "nan", "{"))]
+    assert "perplexity vs fp32 (×)" in shown["summary"] and "in delegates (% of decode time)" in shown["summary"]
+    assert shown["decision_points"] == 2, shown["decision_chart"]
     text = shown["generations"]
     # each recipe's column shows ExecuTorch's LLM runner on the folder's files
     assert "eager-fp32" in text and text.index("eager-fp32") < text.index("executorch-llm-runner")
     assert "Paris" in text.split("xnnpack-8da4w", 1)[1]
     shutil_copy(shown["screenshot"])
+
+
+@pytest.mark.builtin
+def test_the_downloaded_zip_is_the_folder_the_llm_runner_loads(builtin_run, tmp_path):
+    """The zip the page offers for a recipe, unzipped: ExecuTorch's TextLLMRunner loads its .pte with its
+    tokenizer and answers the default prompt."""
+    import zipfile
+
+    from transformers import AutoTokenizer
+
+    from recipes.generate import DEFAULT_PROMPT
+    from recipes.llm_runner import generate_with_runner
+
+    _job, reports, shown = builtin_run
+    with zipfile.ZipFile(shown["zip"]) as archive:
+        archive.extractall(tmp_path)
+    assert {"model.pte", "tokenizer.json", "tokenizer_config.json", "report.json", "README.md", "model.etdump"} <= {
+        p.name for p in tmp_path.iterdir()}
+    assert json.loads((tmp_path / "report.json").read_text()) == reports["xnnpack-8da4w"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    answer = generate_with_runner(tmp_path / "model.pte", tmp_path / "tokenizer.json", tokenizer, DEFAULT_PROMPT, 16,
+                                  eos_token_ids=reports["xnnpack-8da4w"]["llm_metadata"]["get_eos_ids"])
+    assert "Paris" in answer.text and answer.engine == "executorch-llm-runner"
 
 
 def shutil_copy(png: Path) -> None:

@@ -113,7 +113,7 @@ def test_broken_scheme_shows_degraded_figures():
 
 
 def test_tiny_run_reports_fidelity_per_recipe(tiny_llama_dir, tmp_path):
-    from recipes.report import summary_rows
+    from recipes.summary import summary_rows
     from recipes.request import RunRequest
     from recipes.run import run
 
@@ -139,8 +139,10 @@ def test_tiny_run_reports_fidelity_per_recipe(tiny_llama_dir, tmp_path):
     int4_layers = summary.recipes[1].fidelity.layers.layers
     assert all(row["sqnr_db"] < 60 for row in int4_layers), int4_layers
     rows = summary_rows(summary)
-    assert rows[1]["perplexity"] == summary.recipes[1].fidelity.perplexity
-    assert {"top1_agreement_percent", "mean_kl", "meets_target", "perplexity_fp32"} <= set(rows[0])
+    assert rows[1]["perplexity vs fp32 (×)"] == round(summary.recipes[1].fidelity.perplexity_ratio, 3)
+    assert rows[1]["held-out (×)"] == round(summary.recipes[1].fidelity.heldout.perplexity_ratio, 3)
+    assert rows[0]["fidelity target"] == "top-1 agreement with fp32 eager = 100 %: yes"
+    assert rows[0]["top-1 agreement (%)"] == 100.0 and rows[0]["error"] == "–"
 
 
 def test_layer_map_of_a_broken_2bit_scheme_is_low(tiny_checkpoint):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipes.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
-                            StageError, load_report, summary_rows)
+                            StageError, load_report)
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_REPORTS = sorted(DATA.glob("report_*.json"))
@@ -45,12 +45,6 @@ def test_old_reports_are_read_into_typed_sections():
     export_only = load_report(DATA / "report_vulkan_export_only.json")
     assert export_only.generations == [] and export_only.fidelity is None
     assert "export only" in export_only.generation_note and export_only.runner_note is None
-
-
-def test_summary_rows_of_an_old_report_are_the_rows_the_cli_printed():
-    report = load_report(DATA / "report_xnnpack_fp32.json")
-    summary = JobSummary(report.model, report.generations[0], [report])
-    assert summary_rows(summary) == json.loads((DATA / "summary_rows_xnnpack_fp32.json").read_text())
 
 
 def test_a_key_the_report_does_not_know_is_skipped_on_reading_and_refused_from_the_pipeline():

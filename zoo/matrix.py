@@ -14,7 +14,8 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from recipes import thread_policy
-from recipes.report import JobSummary, package_versions, summary_rows
+from recipes.report import JobSummary, package_versions
+from recipes.summary import recipe_figures
 from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +139,7 @@ def base_record(cell: Cell) -> dict:
 def record_from_report(record: dict, summary: JobSummary, random_weights: bool) -> dict:
     """The zoo's record of a cell from its one-recipe job."""
     report = summary.recipes[0]
-    row = summary_rows(summary)[0]
+    figures = recipe_figures(report, summary.reference)
     error = report.errors[0] if report.errors else None
     fidelity = report.fidelity
     ratio = None
@@ -149,9 +150,9 @@ def record_from_report(record: dict, summary: JobSummary, random_weights: bool) 
         "status": "failed" if error else "ok",
         "stage": error.stage if error else None,
         "reason": error.message if error else None,
-        "delegated_percent": row["delegated_percent"], "pte_mb": row["pte_mb"], "export_s": row["export_s"],
-        "lower_s": row["lower_s"], "peak_rss_mb": report.timings.peak_rss_mb,
-        "decode_tokens_per_s": row["decode_tokens_per_s"], "engine": row["engine"],
+        "delegated_percent": figures.delegated_percent, "pte_mb": figures.pte_mb,
+        "export_s": report.timings.export, "lower_s": report.timings.lower, "peak_rss_mb": report.timings.peak_rss_mb,
+        "decode_tokens_per_s": figures.decode_tokens_per_s, "engine": figures.engine,
         "perplexity_ratio": None if random_weights else ratio,
         "fidelity": NEEDS_REAL_WEIGHTS if random_weights else ("measured" if ratio is not None else "not measured"),
         "runtime_note": report.runtime_note,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from recipes import thread_policy
+from recipes.dependency_noise import silence_dependency_noise
 from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
 
 ROOT = Path(__file__).resolve().parent
@@ -506,6 +507,7 @@ def lower_page() -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     thread_policy.limit_openmp_default()  # before anything loads torch; the job processes inherit it
+    silence_dependency_noise()  # before torchao is imported: it logs at import
     parser = argparse.ArgumentParser(description="Lowerbench web app")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import shutil
 import threading
@@ -77,14 +78,20 @@ def new_job_dir() -> Path:
     return job
 
 
-def _job_process(request, messages, cancel_flag) -> None:
+def _job_process(pickled_request: bytes, messages, cancel_flag) -> None:
     """Runs in the job's own process: run() with progress sent back and the UI's cancel relayed."""
+    from recipes.dependency_noise import silence_dependency_noise
+    from recipes.runtime_log import LOG_NAME, runtime_log_to
+
+    silence_dependency_noise()
+    request = pickle.loads(pickled_request)  # after the line above: the request's module imports torchao, which logs
     from recipes.run import run  # in the job's process only: the server's own process never loads torch
 
     cancel = threading.Event()
     threading.Thread(target=lambda: (cancel_flag.wait(), cancel.set()), daemon=True).start()
     try:
-        summary = run(request, progress=lambda f, m: messages.put(("progress", f, m)), cancel=cancel)
+        with runtime_log_to(Path(request.out_dir) / LOG_NAME):  # ExecuTorch's C++ log into the job's folder
+            summary = run(request, progress=lambda f, m: messages.put(("progress", f, m)), cancel=cancel)
         messages.put(("done", summary))
     except UserFacingError as err:
         messages.put(("error", str(err)))
@@ -104,7 +111,7 @@ def run_job(request, session: str, progress) -> dict:
     messages, cancel_flag = context.Queue(), context.Event()
     with _CANCELS_LOCK:
         _CANCELS[session] = cancel_flag
-    process = context.Process(target=_job_process, args=(request, messages, cancel_flag), daemon=True)
+    process = context.Process(target=_job_process, args=(pickle.dumps(request), messages, cancel_flag), daemon=True)
     try:
         progress(0.0, "starting the job")
         process.start()

@@ -22,6 +22,12 @@ def app(tmp_path_factory):
     assert TOKEN not in (tmp / "app.log").read_text()
 
 
+def test_the_app_starts_without_a_line_that_reads_like_a_failure(app):
+    log = app["log"].read_text()
+    assert "Running on local URL" in log
+    assert [line for line in log.splitlines() if "Failed" in line or "Traceback" in line] == []
+
+
 def tiny_args(tiny_llama_dir, **overrides):
     args = dict(source="Local path", hub_repo="", revision="", local_path=str(tiny_llama_dir), token="",
                 recipes=["xnnpack-fp32"], prompt="the capital of France is", max_new_tokens=4, max_seq_len=64,

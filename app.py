@@ -339,6 +339,42 @@ def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_
                      queue=False, api_visibility="private")
 
 
+def hub_repo_box():
+    """The Hub repo id box: typed text is taken as is, and matching Llama-family repos are suggested."""
+    import gradio as gr
+
+    return gr.Dropdown([], value=None, allow_custom_value=True, filterable=True, label="Hub repo id",
+                       info="type to search the Hub's Llama-family models, e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
+                       elem_id="hub-repo")
+
+
+def hub_suggestion_note(text: str, token: str | None) -> tuple[list[tuple[str, str]], str]:
+    """(the box's suggestions as (label, repo id), the line under it) for what was typed so far."""
+    from models.hub_search import MIN_CHARACTERS, suggest_repos
+
+    if len((text or "").strip()) < MIN_CHARACTERS:
+        return [], ""
+    try:
+        found = suggest_repos(text, (token or "").strip() or None)
+    except UserFacingError as err:
+        return [], str(err)
+    if not found:
+        return [], f"No Llama-family repo on the Hub contains {text.strip()!r}; a typed repo id is used as is."
+    return [(s.label, s.repo_id) for s in found], ""
+
+
+def hub_suggestions(hub_repo, token, note) -> None:
+    """As a person types in the repo box, its list shows the matching repos and `note` says why when none."""
+    import gradio as gr
+
+    def suggest(token_text, typed: gr.KeyUpData):
+        choices, line = hub_suggestion_note(typed.input_value, token_text)
+        return gr.Dropdown(choices=choices), line
+
+    hub_repo.key_up(suggest, token, [hub_repo, note], queue=False, show_progress="hidden",
+                    api_visibility="private")
+
+
 def build_app():
     import gradio as gr
 
@@ -438,12 +474,14 @@ def lower_page() -> dict:
         with gr.Column(scale=1):
             source = gr.Radio([BUILTIN, HUB, LOCAL], value=BUILTIN, label="Model")
             with gr.Row():
-                hub_repo = gr.Textbox(label="Hub repo id", placeholder="HuggingFaceTB/SmolLM2-135M-Instruct")
+                hub_repo = hub_repo_box()
                 revision = gr.Textbox(label="Revision", placeholder="main")
+            hub_note = gr.Markdown(elem_id="hub-note")
             local_path = gr.Textbox(label="Local path (Hugging Face folder or .gguf)")
             if ON_SPACE:
                 gr.LoginButton()
             token = gr.Textbox(label="Hub token (for gated models and pushing; never stored)", type="password")
+            hub_suggestions(hub_repo, token, hub_note)
         with gr.Column(scale=1):
             gr.Markdown("**Recipes** (every ticked recipe runs)")
             recipe_lists = recipe_picker(grouped)

@@ -375,6 +375,89 @@ def hub_suggestions(hub_repo, token, note) -> None:
                     api_visibility="private")
 
 
+def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, token: str, recipe_names: list[str],
+                  options: dict, max_seq_len: int, export_only: bool) -> str:
+    """What the job on the form would cost (memory, disk, time) and whether it would be refused, in Markdown."""
+    from huggingface_hub import constants
+
+    from models.model_config import hub_weights_cached, model_config
+    from recipes.job_cost import check_recipe_options, job_cost, recipe_options_for
+    from recipes.registry import get_recipe
+    from zoo.time_estimate import estimate_time
+
+    if not recipe_names:
+        return "Tick at least one recipe to see what the job will cost."
+    try:
+        model = choose_model(source, hub_repo, local_path)
+        revision, token = (revision or "").strip() or None, (token or "").strip() or None
+        config = model_config(model, revision, token)
+        recipes = [get_recipe(name) for name in recipe_names]
+        per_recipe = recipe_options_for(recipes, options)
+        check_recipe_options(recipes, per_recipe)
+        downloads = source == HUB and not hub_weights_cached(model, revision)
+        cost = job_cost(config, recipes, per_recipe, int(max_seq_len), not export_only, jobs_root(),
+                        Path(constants.HF_HUB_CACHE) if downloads else None)
+        duration = estimate_time(cost.parameters, recipes, per_recipe, not export_only)
+    except UserFacingError as err:
+        return f"**No estimate yet**: {err}"
+    return cost_markdown(cost, duration, len(recipes), export_only)
+
+
+def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
+    """The estimate's lines: a refusal first, then memory, disk and time."""
+    from zoo.time_estimate import duration_label, size_label
+
+    gb = 1e9
+    kind = "export-only job" if export_only else "full job"
+    lines = [f"**Estimate before you press Lower**: {size_label(cost.parameters)} parameters, {recipes} "
+             f"recipe{'s' if recipes > 1 else ''}, {kind}."]
+    if cost.refusal:
+        lines.append(f"**This job would be refused**: {cost.refusal}")
+    fits = "fits in" if cost.refusal is None else "more than"
+    lines.append(f"- Memory: about {cost.peak_bytes / gb:.1f} GB at its peak ({cost.peak_stage}); {fits} "
+                 f"{cost.budget_where}.")
+    disk = f"{bytes_label(cost.output_bytes)} of .pte files ({cost.output_free_bytes / gb:.0f} GB free)"
+    if cost.download_bytes:
+        disk = (f"{bytes_label(cost.download_bytes)} to download into the Hugging Face cache "
+                f"({cost.download_free_bytes / gb:.0f} GB free), then " + disk)
+    short = (cost.download_bytes > (cost.download_free_bytes or 0) or cost.output_bytes > cost.output_free_bytes)
+    lines.append(f"- Disk: {disk}" + ("; **not enough free disk**." if short else "."))
+    parts = {part: sum(r.seconds[part] for r in duration.recipes) for part in ("export", "lower", "other")}
+    rest = "loading and quantizing" if export_only else "loading, quantizing, generating and scoring"
+    cores = "/".join(str(c) for c in duration.cores)
+    lines.append(f"- Time: about {duration_label(duration.seconds)} (export {duration_label(parts['export'])}, lowering "
+                 f"{duration_label(parts['lower'])}, {rest} {duration_label(parts['other'])}); fitted on zoo cells "
+                 f"of {size_label(duration.smallest)}–{size_label(duration.largest)}"
+                 + (f" measured on {cores}-core hosts." if cores else "."))
+    lines += [f"  - {note}." for note in duration.notes]
+    return "\n".join(lines)
+
+
+def bytes_label(count: int) -> str:
+    """2.5 GB, 136 MB, 0.31 MB."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f} GB"
+    return f"{count / 1e6:.0f} MB" if count >= 1e6 else f"{count / 1e6:.2f} MB"
+
+
+def cost_panel(ticked, choice_inputs: list, source, hub_repo, revision, local_path, token, max_seq_len, group_size,
+               export_only):
+    """The job's estimate, shown when the page loads and again whenever the model, the ticked recipes or the
+    settings change. `ticked` turns the choice inputs (recipe lists, backend options, algorithm, budget) into
+    (recipe names, options) as the Lower button does."""
+    import gradio as gr
+
+    from recipes.run import user_options
+
+    def cost(source_, hub_repo_, revision_, local_path_, token_, max_seq_len_, group_size_, export_only_, *choices):
+        names, options = ticked(*choices)
+        return job_cost_text(source_, hub_repo_, revision_, local_path_, token_, names,
+                             {**options, **user_options(group_size_)}, max_seq_len_ or 16, bool(export_only_))
+
+    return gr.Markdown(cost, inputs=[source, hub_repo, revision, local_path, token, max_seq_len, group_size,
+                                     export_only, *choice_inputs], elem_id="job-cost")
+
+
 def build_app():
     import gradio as gr
 
@@ -498,6 +581,8 @@ def lower_page() -> dict:
             options_box = gr.JSON(picked_options, visible=False)
             prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
             max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
+            cost_panel(ticked, [*recipe_lists, *option_inputs, algorithm, budget], source, hub_repo, revision,
+                       local_path, token, max_seq_len, group_size, export_only)
             with gr.Row():
                 lower_btn = gr.Button("Lower", variant="primary")
                 cancel_btn = gr.Button("Cancel", variant="stop")

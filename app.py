@@ -18,6 +18,7 @@ from pathlib import Path
 from models.errors import UserFacingError
 from models.hub import check_repo_id
 from recipes import thread_policy
+from recipes.dependency_noise import silence_dependency_noise
 from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
 from recipes.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
 from recipes.publish import push_to_hub, zip_recipe_folder
@@ -357,6 +358,125 @@ def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_
                      queue=False, api_visibility="private")
 
 
+def hub_repo_box():
+    """The Hub repo id box: typed text is taken as is, and matching Llama-family repos are suggested."""
+    import gradio as gr
+
+    return gr.Dropdown([], value=None, allow_custom_value=True, filterable=True, label="Hub repo id",
+                       info="type to search the Hub's Llama-family models, e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
+                       elem_id="hub-repo")
+
+
+def hub_suggestion_note(text: str, token: str | None) -> tuple[list[tuple[str, str]], str]:
+    """(the box's suggestions as (label, repo id), the line under it) for what was typed so far."""
+    from models.hub_search import MIN_CHARACTERS, suggest_repos
+
+    if len((text or "").strip()) < MIN_CHARACTERS:
+        return [], ""
+    try:
+        found = suggest_repos(text, (token or "").strip() or None)
+    except UserFacingError as err:
+        return [], str(err)
+    if not found:
+        return [], f"No Llama-family repo on the Hub contains {text.strip()!r}; a typed repo id is used as is."
+    return [(s.label, s.repo_id) for s in found], ""
+
+
+def hub_suggestions(hub_repo, token, note) -> None:
+    """As a person types in the repo box, its list shows the matching repos and `note` says why when none."""
+    import gradio as gr
+
+    def suggest(token_text, typed: gr.KeyUpData):
+        choices, line = hub_suggestion_note(typed.input_value, token_text)
+        return gr.Dropdown(choices=choices), line
+
+    hub_repo.key_up(suggest, token, [hub_repo, note], queue=False, show_progress="hidden",
+                    api_visibility="private")
+
+
+def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, token: str, recipe_names: list[str],
+                  options: dict, max_seq_len: int, export_only: bool) -> str:
+    """What the job on the form would cost (memory, disk, time) and whether it would be refused, in Markdown."""
+    from huggingface_hub import constants
+
+    from models.model_config import hub_weights_cached, model_config
+    from recipes.job_cost import check_recipe_options, job_cost, recipe_options_for
+    from recipes.registry import get_recipe
+    from zoo.time_estimate import estimate_time
+
+    if not recipe_names:
+        return "Tick at least one recipe to see what the job will cost."
+    try:
+        model = choose_model(source, hub_repo, local_path)
+        revision, token = (revision or "").strip() or None, (token or "").strip() or None
+        config = model_config(model, revision, token)
+        recipes = [get_recipe(name) for name in recipe_names]
+        per_recipe = recipe_options_for(recipes, options)
+        check_recipe_options(recipes, per_recipe)
+        downloads = source == HUB and not hub_weights_cached(model, revision)
+        cost = job_cost(config, recipes, per_recipe, int(max_seq_len), not export_only, jobs_root(),
+                        Path(constants.HF_HUB_CACHE) if downloads else None)
+        duration = estimate_time(cost.parameters, recipes, per_recipe, not export_only)
+    except UserFacingError as err:
+        return f"**No estimate yet**: {err}"
+    return cost_markdown(cost, duration, len(recipes), export_only)
+
+
+def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
+    """The estimate's lines: a refusal first, then memory, disk and time."""
+    from zoo.time_estimate import duration_label, size_label
+
+    gb = 1e9
+    kind = "export-only job" if export_only else "full job"
+    lines = [f"**Estimate before you press Lower**: {size_label(cost.parameters)} parameters, {recipes} "
+             f"recipe{'s' if recipes > 1 else ''}, {kind}."]
+    if cost.refusal:
+        lines.append(f"**This job would be refused**: {cost.refusal}")
+    fits = "fits in" if cost.refusal is None else "more than"
+    lines.append(f"- Memory: about {cost.peak_bytes / gb:.1f} GB at its peak ({cost.peak_stage}); {fits} "
+                 f"{cost.budget_where}.")
+    disk = f"{bytes_label(cost.output_bytes)} of .pte files ({cost.output_free_bytes / gb:.0f} GB free)"
+    if cost.download_bytes:
+        disk = (f"{bytes_label(cost.download_bytes)} to download into the Hugging Face cache "
+                f"({cost.download_free_bytes / gb:.0f} GB free), then " + disk)
+    short = (cost.download_bytes > (cost.download_free_bytes or 0) or cost.output_bytes > cost.output_free_bytes)
+    lines.append(f"- Disk: {disk}" + ("; **not enough free disk**." if short else "."))
+    parts = {part: sum(r.seconds[part] for r in duration.recipes) for part in ("export", "lower", "other")}
+    rest = "loading and quantizing" if export_only else "loading, quantizing, generating and scoring"
+    cores = "/".join(str(c) for c in duration.cores)
+    lines.append(f"- Time: about {duration_label(duration.seconds)} (export {duration_label(parts['export'])}, lowering "
+                 f"{duration_label(parts['lower'])}, {rest} {duration_label(parts['other'])}); fitted on zoo cells "
+                 f"of {size_label(duration.smallest)}–{size_label(duration.largest)}"
+                 + (f" measured on {cores}-core hosts." if cores else "."))
+    lines += [f"  - {note}." for note in duration.notes]
+    return "\n".join(lines)
+
+
+def bytes_label(count: int) -> str:
+    """2.5 GB, 136 MB, 0.31 MB."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f} GB"
+    return f"{count / 1e6:.0f} MB" if count >= 1e6 else f"{count / 1e6:.2f} MB"
+
+
+def cost_panel(ticked, choice_inputs: list, source, hub_repo, revision, local_path, token, max_seq_len, group_size,
+               export_only):
+    """The job's estimate, shown when the page loads and again whenever the model, the ticked recipes or the
+    settings change. `ticked` turns the choice inputs (recipe lists, backend options, algorithm, budget) into
+    (recipe names, options) as the Lower button does."""
+    import gradio as gr
+
+    from recipes.run import user_options
+
+    def cost(source_, hub_repo_, revision_, local_path_, token_, max_seq_len_, group_size_, export_only_, *choices):
+        names, options = ticked(*choices)
+        return job_cost_text(source_, hub_repo_, revision_, local_path_, token_, names,
+                             {**options, **user_options(group_size_)}, max_seq_len_ or 16, bool(export_only_))
+
+    return gr.Markdown(cost, inputs=[source, hub_repo, revision, local_path, token, max_seq_len, group_size,
+                                     export_only, *choice_inputs], elem_id="job-cost")
+
+
 def build_app():
     import gradio as gr
 
@@ -455,12 +575,14 @@ def lower_page() -> dict:
         with gr.Column(scale=1):
             source = gr.Radio([BUILTIN, HUB, LOCAL], value=BUILTIN, label="Model")
             with gr.Row():
-                hub_repo = gr.Textbox(label="Hub repo id", placeholder="HuggingFaceTB/SmolLM2-135M-Instruct")
+                hub_repo = hub_repo_box()
                 revision = gr.Textbox(label="Revision", placeholder="main")
+            hub_note = gr.Markdown(elem_id="hub-note")
             local_path = gr.Textbox(label="Local path (Hugging Face folder or .gguf)")
             if ON_SPACE:
                 gr.LoginButton()
             token = gr.Textbox(label="Hub token (for gated models and pushing; never stored)", type="password")
+            hub_suggestions(hub_repo, token, hub_note)
         with gr.Column(scale=1):
             gr.Markdown("**Recipes** (every ticked recipe runs)")
             recipe_lists = recipe_picker(grouped)
@@ -477,6 +599,8 @@ def lower_page() -> dict:
             options_box = gr.JSON(picked_options, visible=False)
             prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
             max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
+            cost_panel(ticked, [*recipe_lists, *option_inputs, algorithm, budget], source, hub_repo, revision,
+                       local_path, token, max_seq_len, group_size, export_only)
             with gr.Row():
                 lower_btn = gr.Button("Lower", variant="primary")
                 cancel_btn = gr.Button("Cancel", variant="stop")
@@ -529,6 +653,7 @@ def lower_page() -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     thread_policy.limit_openmp_default()  # before anything loads torch; the job processes inherit it
+    silence_dependency_noise()  # before torchao is imported: it logs at import
     parser = argparse.ArgumentParser(description="Lowerbench web app")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

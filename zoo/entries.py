@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import UserFacingError
-from quant.schemes import SCHEMES, GROUP_SIZES, linear_input_dims
-from recipes.registry import RECIPES, load_backends
 
 ZOO_DIR = Path(__file__).resolve().parent
 NEEDS_REAL_WEIGHTS = "needs real weights"
@@ -63,6 +61,10 @@ def find_entry(name: str, zoo_dir: Path = ZOO_DIR) -> ZooEntry:
 
 def recommendation_problems(entry: ZooEntry) -> list[str]:
     """Why a recommended recipe does not fit the entry's shape (empty when every one fits)."""
+    # these load torch, and the app reads this module in its server process before its thread policy is set
+    from quant.schemes import GROUP_SIZES, SCHEMES, linear_input_dims
+    from recipes.registry import RECIPES, load_backends
+
     load_backends()
     config = entry.llama_config()
     limit = config.max_position_embeddings

@@ -300,7 +300,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     from tqdm import tqdm
 
     # these load torch, which a Ray task loads after its thread policy
-    from recipes.lowering import write_atomically
+    from recipes.atomic_write import write_atomically
     from recipes.memory_estimate import estimate_job
     from recipes.registry import get_recipe
 
@@ -362,7 +362,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
 def write_results(out: Path) -> list[dict]:
     """results.json (every cell in out/cells), README.md and heatmap.png beside it."""
     # these load torch, which a Ray task loads after its thread policy
-    from recipes.lowering import write_atomically
+    from recipes.atomic_write import write_atomically
     from zoo.report import write_readme
 
     records = sorted((json.loads(p.read_text()) for p in (Path(out) / "cells").glob("*.json")),

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.memory_estimate import parameter_count
+from recipes.registry import load_backends
 from zoo.entries import ZOO_DIR, executorch_version, load_entries, read_results
 
 RESULTS = ZOO_DIR / "results.json"
@@ -101,9 +103,6 @@ def samples(path: Path = RESULTS) -> list[Sample]:
 
 @functools.lru_cache(maxsize=4)
 def _samples(path: str, _mtime_ns: int) -> tuple[Sample, ...]:
-    from recipes.memory_estimate import parameter_count
-    from recipes.registry import load_backends
-
     recipes = load_backends().recipes
     entries = load_entries()
     found = []

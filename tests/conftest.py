@@ -341,9 +341,9 @@ def builtin_run(tmp_path_factory):
                  "summary": page.locator("#summary-table").inner_text(), "status": page.locator("#status").inner_text()}
         # what a person reads: every summary cell, the decision chart's points
         shown["summary_cells"] = page.locator("#summary-table tbody td").all_inner_texts()
-        symbols = page.locator("#decision-chart g.mark-symbol path")
-        expect(symbols.first).to_be_attached(timeout=60_000)
-        shown["decision_points"] = symbols.count()
+        expect(page.locator("#decision-chart g.mark-symbol path").first).to_be_attached(timeout=60_000)
+        # the data's points only: Vega draws the legend's swatches as symbols too (role-legend-symbol)
+        shown["decision_points"] = page.locator("#decision-chart g.mark-symbol.role-mark path").count()
         shown["decision_chart"] = page.locator("#decision-chart").inner_text()
         page.screenshot(path=str(tmp / "builtin.png"), full_page=True)
         shown["screenshot"] = tmp / "builtin.png"

@@ -255,6 +255,22 @@ def quant_controls() -> tuple:
     return algorithm, budget, layer_map
 
 
+def kv_cache_controls() -> tuple:
+    """The Advanced tab's KV cache dtype and ring window (recipe options of the XNNPACK recipes, as the CLI's
+    --kv-cache and --kv-cache-window)."""
+    import gradio as gr
+
+    # "" and 0 leave each recipe its own: caches as the model computes, no ring
+    dtype = gr.Dropdown([("each recipe's own (as the model computes)", ""), ("fp32", "fp32"), ("fp16", "fp16"),
+                         ("int8 — per token and head, ExecuTorch's quantized SDPA", "int8")],
+                        value="", label="KV cache", elem_id="kv-cache",
+                        info="how the K/V caches are stored (XNNPACK recipes; the others ignore it)")
+    window = gr.Number(0, label="KV cache window (0 = off)", precision=0, minimum=0, elem_id="kv-cache-window",
+                       info="keep the first 4 tokens and a ring of this many recent ones, so a chat goes on past "
+                            "the max context in ExecuTorch's LLM runner (XNNPACK recipes)")
+    return dtype, window
+
+
 def layer_map_line(report: Report) -> str:
     """Which engine made a recipe's per-layer map, or why it has none."""
     name, fidelity = report.recipe.name, report.fidelity
@@ -463,7 +479,7 @@ def bytes_label(count: int) -> str:
 def cost_panel(ticked, choice_inputs: list, source, hub_repo, revision, local_path, token, max_seq_len, group_size,
                export_only):
     """The job's estimate, shown when the page loads and again whenever the model, the ticked recipes or the
-    settings change. `ticked` turns the choice inputs (recipe lists, backend options, algorithm, budget) into
+    settings change. `ticked` turns the choice inputs (recipe lists, backend options, algorithm, budget, KV cache) into
     (recipe names, options) as the Lower button does."""
     import gradio as gr
 
@@ -508,7 +524,7 @@ def lower_page() -> dict:
 
     def ticked(*values):
         """The ticks at the moment Lower is pressed: the recipes (every list), the backend options, then the
-        quantization algorithm and budget."""
+        quantization algorithm and budget, then the KV cache dtype and window."""
         lists, options = values[: len(grouped)], values[len(grouped): len(grouped) + len(option_defaults)]
         return ([name for names in lists for name in names or []],
                 {**{key: value for (_, key), value in zip(option_defaults, options)},
@@ -595,13 +611,15 @@ def lower_page() -> dict:
                                                        "no sample generations or fidelity")
                 option_inputs = option_fields(option_defaults)
                 algorithm, budget, layer_map = quant_controls()
+                kv_cache, kv_window = kv_cache_controls()
+            choices = [*recipe_lists, *option_inputs, algorithm, budget, kv_cache, kv_window]
             # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
-            picked, picked_options = ticked(*[c.value for c in [*recipe_lists, *option_inputs, algorithm, budget]])
+            picked, picked_options = ticked(*[c.value for c in choices])
             recipes_box = gr.Dropdown(all_recipes, value=picked, multiselect=True, label="Recipes", visible=False)
             options_box = gr.JSON(picked_options, visible=False)
             prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
             max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
-            cost_panel(ticked, [*recipe_lists, *option_inputs, algorithm, budget], source, hub_repo, revision,
+            cost_panel(ticked, choices, source, hub_repo, revision,
                        local_path, token, max_seq_len, group_size, export_only)
             with gr.Row():
                 lower_btn = gr.Button("Lower", variant="primary")
@@ -630,7 +648,7 @@ def lower_page() -> dict:
     ops_state, dirs_state = gr.State([]), gr.State({})
 
     finished = lower_btn.click(
-        ticked, [*recipe_lists, *option_inputs, algorithm, budget], [recipes_box, options_box], queue=False,
+        ticked, choices, [recipes_box, options_box], queue=False,
         api_visibility="private",
     ).success(
         lower,

@@ -34,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="keep at 8da8w the linears (of the decoder layers, and the output layer) that bring "
                           "the logits closest to fp32 per byte, within this extra fraction of weight bytes per "
                           "token, e.g. 0.1 for +10 %% (8da4w schemes)")
+    run.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
+                     help="how the KV caches are stored: fp32, fp16, or int8 per token and head, read by "
+                          "ExecuTorch's quantized SDPA (XNNPACK recipes; default: as the model computes)")
+    run.add_argument("--kv-cache-window", type=int, default=None, metavar="N",
+                     help="keep the first 4 tokens and a ring of the N most recent ones, so a chat goes on past "
+                          "the context in ExecuTorch's LLM runner (XNNPACK recipes; default: no ring)")
     run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="a recipe option, e.g. soc=SM8750 or layers_per_shard=2 for the QNN recipes; repeat for "
                           "several (`list` shows each recipe's options)")
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         options = {**recipe_option_pairs(args.option),
-                   **user_options(args.group_size, args.quant_algorithm, args.mixed_precision_budget)}
+                   **user_options(args.group_size, args.quant_algorithm, args.mixed_precision_budget,
+                                  args.kv_cache, args.kv_cache_window)}
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -172,10 +172,21 @@ def runtime_step(loaded, warm: bool = True) -> Callable:
     warm: the step makes its first call here, as part of loading (see `warm_up`)."""
     _program, method = loaded
     call = _borrowing_call(method)
+    most = tokens_per_call(method)
 
     def step(tokens, input_pos):
         with thread_policy.runtime_threads():
-            return call([tokens, input_pos])[0]
+            if most is None or tokens.shape[1] <= most:
+                return call([tokens, input_pos])[0]
+            # More tokens than one call takes: calls of `most`, chained through the cache, as ExecuTorch's LLM
+            # runner prefills; each call's logits are copied out before the next call reuses the buffer.
+            logits = None
+            for first in range(0, tokens.shape[1], most):
+                piece = call([tokens[:, first:first + most], input_pos + first])[0]
+                if logits is None:
+                    logits = torch.empty((1, tokens.shape[1], piece.shape[-1]), dtype=piece.dtype)
+                logits[:, first:first + piece.shape[1]] = piece
+            return logits
 
     # The method borrows from the program (and a program loaded from bytes from those bytes): the step keeps both,
     # so a caller may hold only the step. Without this a step over a .pte loaded from bytes segfaulted once the
@@ -184,6 +195,13 @@ def runtime_step(loaded, warm: bool = True) -> Callable:
     if warm:
         warm_up(step)
     return step
+
+
+def tokens_per_call(method) -> int | None:
+    """The most tokens the program's forward takes in one call: its token input's largest shape, which the
+    program records (for a dynamic dimension, its upper bound). None for a method without that record."""
+    metadata = getattr(method, "metadata", None)
+    return int(metadata.input_tensor_meta(0).sizes()[1]) if metadata is not None else None
 
 
 def warm_up(step: Callable) -> None:

@@ -25,8 +25,35 @@ def how_to_run(report: Report, chat_template: str | None) -> list[str]:
         lines += [f"Where it runs: {report.runtime_note}.", ""]
     if recipe.options.get("device_runner"):
         lines += [f"Device runner: {recipe.options['device_runner']}", ""]
+    lines += _kv_cache(recipe, metadata)
     lines += _python(recipe) + _llama_main() + _apps(chat_template) + _template(chat_template)
     return lines
+
+
+_CACHE_STORAGE = {"int8": "int8, with an fp32 scale and an int8 zero point per token and head, read by ExecuTorch's "
+                          "`llama::custom_quantized_sdpa` (the queries are quantized per token too)"}
+
+
+def _kv_cache(recipe: RecipeInfo, metadata: dict) -> list[str]:
+    """What the program's KV cache is, and what that means for the runners: calls of at most get_max_seq_len
+    tokens, and positions up to get_max_context_len (a ring goes on past its cache)."""
+    cache = recipe.kv_cache
+    if cache is None:
+        return []
+    lines = ["### KV cache", "", f"Stored {_CACHE_STORAGE.get(cache.dtype, cache.dtype)}: {cache.bytes / 1e6:.1f} MB."]
+    per_call, context = metadata.get("get_max_seq_len"), metadata.get("get_max_context_len")
+    if cache.window:
+        lines.append(f"A ring: every token attends to the first {cache.sink_tokens} tokens and to its {cache.window} "
+                     f"most recent ones, at any position up to get_max_context_len={context} (the model's own "
+                     "limit), so a chat goes on past the cache.")
+    if per_call and context and per_call < context:
+        lines.append(f"One call takes at most {per_call} tokens (get_max_seq_len): ExecuTorch's LLM runners "
+                     f"prefill a longer prompt in calls of that many.")
+        if not cache.window:
+            lines.append(f"The cache holds {context} positions; executorch 1.5.1's TextLLMRunner reads a program "
+                         "that takes fewer tokens per call than its context as a sliding window and does not stop a "
+                         f"conversation at {context} positions, so reset() the runner before a chat reaches them.")
+    return lines + [""]
 
 
 def _python(recipe: RecipeInfo) -> list[str]:

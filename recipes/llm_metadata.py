@@ -8,12 +8,31 @@ from __future__ import annotations
 import torch
 
 # The custom ops whose attention reads the KV cache in place (export_llama's use_sdpa_with_kv_cache).
-_CACHE_SDPA_OPS = ("llama::custom_sdpa", "llama::sdpa_with_kv_cache")
+_CACHE_SDPA_OPS = ("llama::custom_sdpa", "llama::custom_quantized_sdpa", "llama::sdpa_with_kv_cache")
+
+
+def _tokens_length(program: torch.export.ExportedProgram):
+    tokens = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name in _user_inputs(program))
+    return tokens.meta["val"].shape[1]
 
 
 def token_dimension_is_dynamic(program: torch.export.ExportedProgram) -> bool:
-    tokens = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name in _user_inputs(program))
-    return not isinstance(tokens.meta["val"].shape[1], int)
+    return not isinstance(_tokens_length(program), int)
+
+
+def tokens_per_call(program: torch.export.ExportedProgram) -> int:
+    """The most tokens one call takes: the token dimension's upper bound, or its fixed size."""
+    length = _tokens_length(program)
+    if isinstance(length, int):
+        return length
+    return int(program.range_constraints[length.node.expr].upper)
+
+
+def uses_ring_cache(program: torch.export.ExportedProgram) -> bool:
+    """The program writes its cache through row indices (a ring, models/llama.py kv_window), so it takes any
+    position rather than stopping at the cache's length."""
+    return any(getattr(getattr(n.target, "_schema", None), "name", "") == "llama::update_cache_with_indices"
+               for n in program.graph.nodes if n.op == "call_function")
 
 
 def uses_kv_cache(program: torch.export.ExportedProgram) -> bool:
@@ -60,18 +79,25 @@ def _user_inputs(program: torch.export.ExportedProgram) -> list[str]:
 def llm_metadata(program: torch.export.ExportedProgram, max_context_len: int, config, tokenizer,
                  eos_token_ids) -> dict[str, int | bool | list[int]]:
     """The constant methods for `to_edge_transform_and_lower(constant_methods=...)`. `max_context_len` is the
-    length of the module's KV cache. get_max_seq_len is the most tokens one call takes: the cache length
-    for a dynamic program and, as export_llama writes it, for a static one too (the runner then prefills
-    token by token, because enable_dynamic_shape is False)."""
+    length of the module's KV cache. get_max_seq_len is the most tokens one call takes: the token dimension's
+    upper bound for a dynamic program (TextLLMRunner prefills a longer prompt in calls of that many) and, as
+    export_llama writes it, the cache length for a static one (the runner then prefills token by token, because
+    enable_dynamic_shape is False). get_max_context_len is how far positions go: the cache length, or for a
+    ring the model's max_position_embeddings, every attended distance staying within the ring. A program that
+    takes fewer tokens per call than its context is what executorch 1.5.1's TextLLMRunner treats as a sliding
+    window: it caps each generate() call at the context rather than the whole conversation."""
     bos = tokenizer.bos_token_id if isinstance(tokenizer.bos_token_id, int) else getattr(config, "bos_token_id", None)
+    dynamic = token_dimension_is_dynamic(program)
+    if uses_ring_cache(program):
+        max_context_len = max(int(config.max_position_embeddings), int(max_context_len))
     metadata = {
-        "get_max_seq_len": int(max_context_len),
+        "get_max_seq_len": tokens_per_call(program) if dynamic else int(max_context_len),
         "get_max_context_len": int(max_context_len),
         "get_vocab_size": logits_width(program),
         "get_n_layers": int(config.num_hidden_layers),
         "use_kv_cache": uses_kv_cache(program),
         "use_sdpa_with_kv_cache": uses_cache_sdpa(program),
-        "enable_dynamic_shape": token_dimension_is_dynamic(program),
+        "enable_dynamic_shape": dynamic,
     }
     if isinstance(bos, int):
         metadata["get_bos_id"] = bos

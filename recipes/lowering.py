@@ -223,12 +223,15 @@ def share_preprocess_weights(backend_details: type) -> Callable[[], None]:
 
 
 def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = True) -> torch.export.ExportedProgram:
-    """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len).
+    """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len, or the fewer tokens
+    per call the module's options say: a longer prompt then goes in several calls).
     strict: the backend's export mode (Backend.strict_export). Non-strict export is faster, but not every
     module form gives the same program through it: non-strict tracing of the sdpa-slice cache write with
     grouped KV heads adds a guard that refuses seq_len == max_seq_len."""
+    options = getattr(module, "options", None)
+    tokens = min(max_seq_len, options.call_tokens) if options is not None else max_seq_len
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
-    seq = torch.export.Dim("seq_len", min=1, max=max_seq_len)
+    seq = torch.export.Dim("seq_len", min=1, max=tokens)
     return torch_export.export(module, example, dynamic_shapes=({1: seq}, None), strict=strict)
 
 

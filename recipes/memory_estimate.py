@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from models.errors import UserFacingError
-from models.llama import LlamaShape
+from models.llama import LlamaShape, kv_cache_bytes
 from quant.algorithms import ALGORITHMS, LIGHTEST_ALGORITHM
 from quant.calibration import CALIBRATION_TOKENS
 from quant.quantize import quantizes_by_unit, recipe_algorithm, transforms_by_unit
@@ -144,6 +144,15 @@ def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
     return 2 * s.n_layers * max_seq_len * s.n_kv_heads * s.head_dim * dtype_bytes
 
 
+def _recipe_cache_bytes(config, recipe, max_seq_len: int, options: dict) -> int:
+    """A recipe's caches as its module and its program hold them: their rows (a ring's, or max_seq_len) in
+    their storage dtype, int8 with its scales and zero points. An aten-SDPA form also keeps a bool causal mask
+    [max_seq_len, max_seq_len]."""
+    form = recipe.export_options(max_seq_len, options)
+    mask = max_seq_len * max_seq_len if form.attention == "sdpa" else 0
+    return kv_cache_bytes(LlamaShape.from_config(config), form) + mask
+
+
 def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
                  budget_bytes: int | None = None, options: dict | None = None,
                  eval_tokens: list[int] | None = None) -> JobEstimate:
@@ -182,25 +191,27 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         ref_weights = w.linears * (torch.finfo(weight_dtype).bits // 8) + (w.embedding + (0 if w.tied else w.output)) * ref_bytes
         if weight_dtype != reference_dtype:
             ref_weights += w.per_layer * ref_bytes  # an fp32 scratch per weight shape of a decoder layer
+        # the reference attends with aten SDPA: its bool causal mask [max_seq_len, max_seq_len] beside the caches
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
-                               + window_logits + eval_logits)
+                               + max_seq_len * max_seq_len + window_logits + eval_logits)
         kept += eval_logits
     per_recipe = []
     # a quantized module is kept while a later recipe shares it (recipes/run.py releases it after its last)
-    keys = [(r.quantization, r.export_options(max_seq_len)) if SCHEMES[r.quantization].quantize_exported is None
-            else None for r in recipes]
+    keys = [(r.quantization, r.export_options(max_seq_len, (options or {}).get(r.name)))
+            if SCHEMES[r.quantization].quantize_exported is None else None for r in recipes]
     kept_modules: dict = {}
     for index, recipe in enumerate(recipes):
         scheme = SCHEMES[recipe.quantization]
         key = keys[index]
+        recipe_options = (options or {}).get(recipe.name, {})
         lin_b, emb_b = scheme.module_bytes
-        module = (w.linears + w.output) * lin_b + w.embedding * emb_b + _kv_cache_bytes(config, max_seq_len, 4)
+        cache = _recipe_cache_bytes(config, recipe, max_seq_len, recipe_options)
+        module = (w.linears + w.output) * lin_b + w.embedding * emb_b + cache
         pte_lin, pte_emb = recipe.pte_bytes or scheme.pte_bytes
         pte = (w.linears + w.output) * pte_lin + w.embedding * pte_emb
         before = BASE_BYTES + kept + sum(v for k, v in kept_modules.items() if k != key)
         needed_later = key is not None and key in keys[index + 1:]
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
-        recipe_options = (options or {}).get(recipe.name, {})
         if transforms_by_unit(recipe.quantization, recipe_options):
             # beside the module so far: one float decoder layer and the copies its transform's search holds
             copies = ALGORITHMS[recipe_algorithm(recipe.quantization, recipe_options)].unit_search_copies
@@ -226,12 +237,14 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         }
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None
-            run["generate"] = before + module + (pte * RUNTIME_RATIO if runs_here else 0) + window_logits
+            # the program on the runtime plans its own caches beside the module's
+            run["generate"] = before + module + ((pte * RUNTIME_RATIO + cache) if runs_here else 0) + window_logits
             # scored a window at a time (recipes/fidelity.py: compare_step): the window's logits beside the
             # program's own output, and a few rows' float64 log-softmaxes
             run["fidelity"] = run["generate"] + window_logits
             if runs_here:
-                run["profile"] = before + (module if needed_later else 0) + pte * PROFILE_RATIO + window_logits
+                run["profile"] = (before + (module if needed_later else 0) + pte * PROFILE_RATIO + cache
+                                  + window_logits)
         if needed_later:
             kept_modules[key] = module
         else:
@@ -288,6 +301,8 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
             choices.append(f"{LIGHTEST_ALGORITHM} qparams without a mixed-precision budget (--quant-algorithm "
                            f"{LIGHTEST_ALGORITHM}), which quantize piece by piece with no calibration search "
                            f"({lighter.peak_rss_bytes / GB:.1f} GB)")
+    choices += _smaller_cache_choices(config, recipes, max_seq_len, generate, budget, options, eval_tokens,
+                                      estimate.peak_rss_bytes)
     if max_seq_len > 256:
         shorter = estimate_job(config, recipes, 256, generate, budget, options, eval_tokens)
         choices.append(f"a smaller max context (--max-seq-len 256: {shorter.peak_rss_bytes / GB:.1f} GB)")
@@ -296,6 +311,26 @@ def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, opti
         f"but {where} allows {budget / GB:.1f} GB; choose " + (", or ".join(choices) or "a smaller model") + "."
     )
 
+# A ring the refusal offers: recent tokens a long context's chat keeps (the first few stay too).
+SUGGESTED_WINDOW = 2048
+
+
+def _smaller_cache_choices(config, recipes: list, max_seq_len: int, generate: bool, budget: int,
+                           options: dict | None, eval_tokens, peak: int) -> list[str]:
+    """For recipes that take the KV cache options (recipes/backends/xnnpack.py): an int8 cache, and a ring of
+    recent tokens, each with the job's peak it would have, where that is lower."""
+    takers = [r for r in recipes if "kv_cache" in r.backend.option_defaults(r)]
+    choices = []
+    for flag, change in (("--kv-cache int8", {"kv_cache": "int8"}),
+                         (f"--kv-cache int8 --kv-cache-window {SUGGESTED_WINDOW}",
+                          {"kv_cache": "int8", "kv_cache_window": SUGGESTED_WINDOW})):
+        if not takers or ("kv_cache_window" in change and max_seq_len <= SUGGESTED_WINDOW):
+            continue
+        changed = {r.name: {**(options or {}).get(r.name, {}), **(change if r in takers else {})} for r in recipes}
+        lighter = estimate_job(config, recipes, max_seq_len, generate, budget, changed, eval_tokens).peak_rss_bytes
+        if lighter < peak:
+            choices.append(f"smaller KV caches ({flag}: {lighter / GB:.1f} GB)")
+    return choices
 
 
 @dataclass

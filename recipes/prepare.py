@@ -63,7 +63,7 @@ def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max
                       ) -> tuple[torch.nn.Module, Quantization]:
     """The module built from the checkpoint and quantized; the seconds of the quantization's parts land in
     `figures`."""
-    export_options = recipe.export_options(max_seq_len)
+    export_options = recipe.export_options(max_seq_len, options)
     if quantizes_by_unit(recipe.quantization, options):
         # the quantized units kept between AWQ's searches must not pin the blocks a search frees
         quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, max_seq_len,

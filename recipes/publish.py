@@ -18,7 +18,7 @@ from models.errors import UserFacingError
 from recipes.atomic_write import write_atomically
 from recipes.how_to_run import how_to_run
 from recipes.profile_view import model_card_lines
-from recipes.report import Report, load_report
+from recipes.report import RecipeInfo, Report, load_report
 from recipes.tokenizer_files import TOKENIZER_FILES
 
 SHIPPED_FILES = ("model.pte", *TOKENIZER_FILES, "report.json")
@@ -35,7 +35,7 @@ def model_card(report: Report, chat_template: str | None = None) -> str:
     lines += ["---", "", f"# {base} · {recipe.name}", "",
               f"An ExecuTorch program (`model.pte`) of [{base}](https://huggingface.co/{base}) made by Lowerbench "
               f"with the `{recipe.name}` recipe: backend {recipe.backend}, quantization "
-              f"`{recipe.quantization}`, max context {recipe.max_seq_len} tokens.", ""]
+              f"`{recipe.quantization}`, max context {recipe.max_seq_len} tokens{_cache_words(recipe)}.", ""]
     if recipe.runs_on:
         lines += [f"It runs on {recipe.runs_on}.", ""]
     if model.revision:
@@ -76,6 +76,14 @@ def model_card(report: Report, chat_template: str | None = None) -> str:
     lines += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in report.versions.items() if v), "",
               "`report.json` holds the full report (timings, per-op delegation table, generations)."]
     return "\n".join(lines) + "\n"
+
+
+def _cache_words(recipe: RecipeInfo) -> str:
+    """", KV cache int8" (", a ring of the 2048 most recent tokens") for a recipe with the KV cache options."""
+    cache = recipe.kv_cache
+    if cache is None:
+        return ""
+    return f", KV cache {cache.dtype}" + (f" (a ring of the {cache.window} most recent tokens)" if cache.window else "")
 
 
 def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private: bool = False) -> str:

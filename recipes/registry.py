@@ -40,6 +40,10 @@ class Backend:
     fuse_qkv: bool = False
     static_tokens: int | None = None  # a backend that compiles static shapes: tokens per call
     strict_export: bool = True
+    # Recipe options every recipe of this backend takes, with their defaults for a recipe (e.g. its KV cache's dtype).
+    option_defaults: Callable[["Recipe"], dict] = lambda recipe: {}
+    # (recipe options, the module form so far as ExportOptions fields) -> the fields those options set.
+    module_options: Callable[[dict, dict], dict] = lambda options, form: {}
     # Modules that load the runtime kernels/ops its .pte needs (ExecuTorch resolves ops at load_method time).
     runtime_imports: tuple[str, ...] = ()
     # Engine label of the eager generation shown when its .pte cannot run here (or failed to lower).
@@ -94,11 +98,14 @@ class Recipe:
     lowering_memory_ratio: float | None = None
     default: bool = False  # ticked when the app opens
 
-    def export_options(self, max_seq_len: int) -> ExportOptions:
+    def export_options(self, max_seq_len: int, options: dict | None = None) -> ExportOptions:
+        """The module form for these recipe options (recipes/run.py: recipe_options; None: the defaults)."""
         backend = self.backend
         form = dict(attention=backend.attention, norm=backend.norm, fuse_qkv=backend.fuse_qkv,
                     dtype=SCHEMES[self.quantization].module_dtype)
-        return ExportOptions(max_seq_len, **{**form, **self.module_overrides})
+        form = {**form, **self.module_overrides}
+        chosen = {**backend.option_defaults(self), **self.options, **(options or {})}
+        return ExportOptions(max_seq_len, **{**form, **backend.module_options(chosen, form)})
 
     def make_partitioners(self, options: dict) -> list:
         return (self.partitioners or self.backend.partitioners)(options)

@@ -104,6 +104,18 @@ class ModelInfo(Section):
 
 
 @dataclass
+class KvCache(Section):
+    """recipe.kv_cache: how the program keeps its K/V caches, for a recipe that takes the KV cache options
+    (models/llama.py: ExportOptions)."""
+    dtype: str | None = None  # fp32, fp16, or int8 (per token and head, with an fp32 scale and an int8 zero point)
+    window: int | None = None  # the ring's recent tokens; None: every token attends to the whole context
+    sink_tokens: int | None = None  # the first tokens a ring keeps for good
+    rows: int | None = None  # cache rows per layer
+    bytes: int | None = None  # every layer's k and v caches, int8's scales and zero points included
+    tokens_per_call: int | None = None  # the most tokens one call takes; a longer prompt goes in several calls
+
+
+@dataclass
 class RecipeInfo(Section):
     """recipe: what ran, with the options it ran with (the recipe's own, the request's, and what the backend
     says about its compile target, e.g. a SoC's architecture)."""
@@ -113,6 +125,7 @@ class RecipeInfo(Section):
     options: dict = field(default_factory=dict)
     max_seq_len: int | None = None
     runs_on: str | None = None
+    kv_cache: KvCache | None = optional(_loader(KvCache))
 
 
 @dataclass

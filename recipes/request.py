@@ -44,11 +44,13 @@ class RunRequest:
     layer_map: bool = False
 
 
-def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None) -> dict:
+def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None, kv_cache=None,
+                 kv_cache_window=None) -> dict:
     """The recipe options a user set, from the CLI's flags or the app's Advanced controls. Unset ones (None, 0,
     "") are left out, so each recipe keeps its own defaults."""
     given = {"group_size": int(group_size) if group_size else None, "quant_algorithm": quant_algorithm or None,
-             "mixed_precision_budget": None if mixed_precision_budget is None else float(mixed_precision_budget)}
+             "mixed_precision_budget": None if mixed_precision_budget is None else float(mixed_precision_budget),
+             "kv_cache": kv_cache or None, "kv_cache_window": int(kv_cache_window) if kv_cache_window else None}
     return {key: value for key, value in given.items() if value is not None}
 
 
@@ -64,7 +66,7 @@ def recipe_option_pairs(pairs: list[str]) -> dict:
 
 
 def recipe_defaults(recipe: Recipe) -> dict:
-    return {**scheme_options(recipe.quantization), **recipe.options}
+    return {**scheme_options(recipe.quantization), **recipe.backend.option_defaults(recipe), **recipe.options}
 
 
 def recipe_options(recipe: Recipe, requested: dict) -> dict:
@@ -78,7 +80,7 @@ def preparation_key(recipe: Recipe, options: dict, max_seq_len: int) -> tuple:
     on the group size only, so backends that differ in other options (SoC, compute units) still share one
     quantization. PT2E quantizers depend on every option: their modules are never shared."""
     return (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
-            options.get("mixed_precision_budget"), recipe.export_options(max_seq_len))
+            options.get("mixed_precision_budget"), recipe.export_options(max_seq_len, options))
 
 
 def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
@@ -116,7 +118,9 @@ def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
     limit = int(getattr(checkpoint.config, "max_position_embeddings", 0) or 0)
     if limit and request.max_seq_len > limit:
         raise UserFacingError(
-            f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens; choose at most {limit}."
+            f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens "
+            f"(max_position_embeddings); choose at most {limit}, or keep a ring of recent tokens "
+            f"(--kv-cache-window) to generate past the context."
         )
     if not request.generate:
         return

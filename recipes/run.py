@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from models.checkpoint import Checkpoint, load_checkpoint
-from models.llama import ExportOptions, build_exportable
+from models.llama import ATTENTION_SINK_TOKENS, ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
 from models.prompting import stop_token_ids
 from quant.layer_error import eager_layer_outputs
 from quant.schemes import check_group_size_fits
@@ -26,7 +26,7 @@ from recipes.llm_metadata import llm_metadata
 from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend
 from recipes.prepare import Prepared, prepare
 from recipes.registry import Recipe, backend_packages, get_recipe
-from recipes.report import (Delegation, Fidelity, Generation, JobSummary, LayerMap, LlmMetadata, Memory,
+from recipes.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
                             MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
 from recipes.request import RunRequest, check_context, preparation_key, recipe_options, validate_request
 from recipes.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
@@ -126,6 +126,16 @@ def _generate(step, engine: str, job: _Job) -> Generation:
                         stop_ids=checkpoint.eos_token_ids)
 
 
+def kv_cache_section(recipe: Recipe, options: dict, config, max_seq_len: int) -> KvCache | None:
+    """recipe.kv_cache, for a recipe that takes the KV cache options: the caches as its program holds them."""
+    if "kv_cache" not in options:
+        return None
+    form = recipe.export_options(max_seq_len, options)
+    return KvCache(dtype=options["kv_cache"], window=form.kv_window,
+                   sink_tokens=ATTENTION_SINK_TOKENS if form.kv_window else None, rows=form.cache_rows,
+                   bytes=kv_cache_bytes(LlamaShape.from_config(config), form), tokens_per_call=form.call_tokens)
+
+
 def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple]) -> Report:
     """One recipe from quantization to its report.json, written once. A failing recipe records why in its report
     and ships no .pte; the job's other recipes still run."""
@@ -134,7 +144,9 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     report = Report(model=job.model, versions=job.versions, timings=figures.timings,
                     recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
                                       options=dict(options), max_seq_len=request.max_seq_len,
-                                      runs_on=recipe.backend.runs_on),
+                                      runs_on=recipe.backend.runs_on,
+                                      kv_cache=kv_cache_section(recipe, options, job.checkpoint.config,
+                                                                request.max_seq_len)),
                     threads=Threads.from_dict(thread_policy.describe(), strict=True),
                     generations=[job.reference] if job.reference else [])
     module, lowered = _lower(job, recipe, options, recipe_dir, needed_later, figures, report)

@@ -81,7 +81,8 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert report["pte"]["bytes"] == len(pte)
     assert report["recipe"] == {"name": "xnnpack-8da4w", "backend": "xnnpack", "quantization": "8da4w",
                                 "options": {"group_size": 32, "quant_algorithm": "awq",
-                                            "mixed_precision_budget": 0.0}, "max_seq_len": 64,
+                                            "mixed_precision_budget": 0.0, "kv_cache": "fp32",
+                                            "kv_cache_window": 0}, "max_seq_len": 64,
                                 "runs_on": "any CPU with the ExecuTorch runtime: Linux, macOS, Windows, Android, iOS"}
     assert report["model"]["source"] == "local-folder" and report["model"]["architecture"] == "LlamaForCausalLM"
     assert set(report["versions"]) >= {"torch", "executorch", "torchao", "transformers"}

@@ -53,6 +53,9 @@ import importlib.metadata
 from contextlib import contextmanager
 from typing import Callable
 
+from models.errors import UserFacingError
+from models.llama import KV_CACHE_DTYPES
+from quant.schemes import SCHEMES
 from recipes.lowering import share_preprocess_weights, swap_attribute
 from recipes.registry import Backend, recipe
 
@@ -321,6 +324,42 @@ def patch_targets() -> dict[str, object]:
         targets[f"torchao::{name}"] = torch._C._dispatch_dump(f"torchao::{name}")
     return targets
 
+
+# The most tokens one call of an XNNPACK program takes: the runtime plans every activation (the logits
+# [tokens, vocab] most of all) for the longest call, so a longer prompt goes in calls of this many tokens.
+PREFILL_CHUNK_TOKENS = 512
+
+
+def kv_cache_defaults(recipe) -> dict:
+    """Every XNNPACK recipe takes the KV cache options: caches stored as the module computes (fp32; fp16 for the
+    fp16 recipe), and no ring (0)."""
+    module_dtype = SCHEMES[recipe.quantization].module_dtype
+    return {"kv_cache": next(name for name, dtype in KV_CACHE_DTYPES.items() if dtype == module_dtype),
+            "kv_cache_window": 0}
+
+
+def kv_cache_module_options(options: dict, form: dict) -> dict:
+    """kv_cache and kv_cache_window as the module's fields, and the tokens one call takes. A cache kept apart
+    from the module's dtype, or a ring, needs ExecuTorch's cache ops: a recipe whose form attends with aten's
+    SDPA (fp16) then takes the custom ops' form, computing attention in the cache's float dtype."""
+    dtype, window = options.get("kv_cache"), int(options.get("kv_cache_window") or 0) or None
+    fields = {"kv_cache_dtype": dtype, "kv_window": window, "tokens_per_call": PREFILL_CHUNK_TOKENS}
+    if form["attention"] != "custom" and (window or (dtype and KV_CACHE_DTYPES[dtype] != form["dtype"])):
+        fields["attention"] = "custom"
+    return fields
+
+
+def check_kv_cache_options(options: dict) -> None:
+    """A KV cache dtype the models know, and a window that is a token count (0: no ring)."""
+    dtype, window = options.get("kv_cache"), options.get("kv_cache_window")
+    if dtype is not None and dtype not in KV_CACHE_DTYPES:
+        raise UserFacingError(f"kv_cache {dtype!r} is not a KV cache dtype; choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}.")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+        raise UserFacingError(f"kv_cache_window {window!r} is not a token count; give the recent tokens to keep, "
+                              "e.g. --kv-cache-window 2048 (0 for no ring).")
+
+
 def xnnpack_partitioners(options: dict) -> list:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
@@ -348,9 +387,14 @@ BACKEND = Backend(
     # Non-strict export takes a third of strict's time and, for this form, gives the same program
     # (bit-identical logits on the runtime, fp32 and 8da4w).
     strict_export=False,
+    option_defaults=kv_cache_defaults,
+    module_options=kv_cache_module_options,
+    check_options=check_kv_cache_options,
     runtime_imports=(
         "executorch.extension.llm.custom_ops.custom_ops",  # llama::custom_sdpa, llama::update_cache
-        "executorch.kernels.quantized",  # quantized_decomposed::embedding_byte / embedding_4bit
+        # quantized_decomposed::embedding_byte / embedding_4bit, and the int8 KV cache's
+        # choose_qparams_per_token_asymmetric / quantize_per_token
+        "executorch.kernels.quantized",
     ),
     lowering_context=patched,
     # The edge program's constants and the packed delegate blobs, beside the quantized module; the copy of each
@@ -367,8 +411,8 @@ RECIPES = (
     recipe(BACKEND, "8da4w-emb4", "XNNPACK, int8 dynamic activations + int4 weights (group 32), 4-bit embeddings",
            options={"group_size": 32}),
     recipe(BACKEND, "8da8w", "XNNPACK, int8 dynamic activations + int8 per-channel weights, 8-bit embeddings"),
-    # llama::custom_sdpa has no fp16 kernel; aten SDPA outside the delegate runs fp16 on the portable ops,
-    # with q/k/v as three linears, the form this recipe is checked in.
+    # aten SDPA outside the delegate runs fp16 on the portable ops, with q/k/v as three linears, the form this
+    # recipe is checked in; another kv_cache or a ring takes the custom ops' form (kv_cache_module_options).
     recipe(BACKEND, "fp16", "XNNPACK, fp16 weights and activations",
            module_overrides={"attention": "sdpa", "fuse_qkv": False}),
 )

@@ -13,6 +13,10 @@
                                                      decode speed and fidelity, bench/front.py; not a default phase)
     python3 -m bench --phases runner --runs 5       (ExecuTorch's LLM runner on Lowerbench's and optimum's .pte,
                                                      and the Python step loop on both, bench/runner.py)
+    python3 -m bench --phases kv --runs 3           (the LLM runner at positions 512, 2048 and 8192 of one long
+                                                     context, fp32 and int8 KV caches and optimum's .pte, bench/kv.py)
+    python3 -m bench --phases kv-fidelity --runs 1  (each KV cache dtype against the fp32 cache at contexts 512
+                                                     and 2048, on the runtime, bench/kv_fidelity.py)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
@@ -31,9 +35,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import front, scale, table
+from bench import front, kv, scale, table
 from bench import versions as versions_phase
 from bench.checkpoints import builtin_gguf, hf_folder
+from bench.kv_fidelity import CONTEXTS as KV_FIDELITY_CONTEXTS
 from bench.front import ALGORITHMS as front_algorithms, MIXED_ALGORITHMS as front_mixed
 from bench.measure import median, run_measured
 from bench.memory import decode_weight_bytes_per_token
@@ -69,11 +74,11 @@ def lowerbench_export_cmd(hf: Path, out: Path, export_only: bool = True) -> list
             "--max-seq-len", str(MAX_SEQ_LEN), *(["--export-only"] if export_only else []), "--out", str(out)]
 
 
-def optimum_export_cmd(hf: Path, out: Path) -> list[str]:
+def optimum_export_cmd(hf: Path, out: Path, max_seq_len: int = MAX_SEQ_LEN) -> list[str]:
     return [str(OPTIMUM_VENV / "bin" / "optimum-cli"), "export", "executorch", "--model", str(hf),
             "--task", "text-generation", "--recipe", "xnnpack", "--qlinear", "8da4w", "--qlinear_group_size", "32",
             "--qembedding", "8w",
-            "--use_custom_sdpa", "--use_custom_kv_cache", "--max_seq_len", str(MAX_SEQ_LEN), "--output_dir", str(out)]
+            "--use_custom_sdpa", "--use_custom_kv_cache", "--max_seq_len", str(max_seq_len), "--output_dir", str(out)]
 
 
 def optimum_available() -> str | None:
@@ -415,6 +420,80 @@ def summarize_floor(data: dict, engines: dict) -> dict | None:
     return floor
 
 
+KV_CONTEXT = 8192  # the built-in model's own max_position_embeddings
+
+
+def phase_kv(args, hf: Path) -> dict:
+    """xnnpack-8da4w at a context of KV_CONTEXT with fp32 and int8 caches (optimum's HQQ qparams, as the other
+    peer comparisons), and optimum's .pte of the same context, in ExecuTorch's LLM runner at each position of
+    bench/kv.py, programs in turn within each run; and the runner's process without a program (its RSS floor)."""
+    log_dir = TMP / "logs"
+    programs, skipped, exports = {}, {}, []
+    for name, cache in zip(kv.PROGRAMS, ("fp32", "int8")):
+        out = TMP / f"kv-{cache}"
+        if not (out / "model.pte").is_file():
+            cmd = [PY, "-m", "recipes", "run", "--model", str(hf), "--recipe", RECIPE, *PEER_ALGORITHM, "--kv-cache",
+                   cache, "--max-seq-len", str(KV_CONTEXT), "--export-only", "--no-profile", "--out", str(out)]
+            record = run_measured(cmd, log_dir / f"kv-export-{cache}.log", cwd=ROOT, timeout_s=args.export_timeout)
+            exports.append({"program": name, "returncode": record["returncode"], "wall_s": record["wall_s"],
+                            "peak_rss_mb": record["peak_rss_mb"]})
+            _progress(f"kv export {name}: rc {record['returncode']}, {record['wall_s']} s")
+        if (out / "model.pte").is_file():
+            programs[name] = out / "model.pte"
+        else:
+            skipped[name] = "the export failed (see bench/results/tmp/logs)"
+    tokenizer_json = next((p.parent / "tokenizer.json" for p in programs.values()), None)
+    why_not = optimum_available() or ("skipped with --skip" if kv.OPTIMUM in args.skip else None)
+    if why_not is None:
+        out = TMP / f"optimum-export-{KV_CONTEXT}"
+        if not (out / "model.pte").is_file():
+            record = run_measured(optimum_export_cmd(hf, out, KV_CONTEXT), log_dir / "kv-export-optimum.log",
+                                  cwd=ROOT, timeout_s=args.export_timeout)
+            exports.append({"program": kv.OPTIMUM, "returncode": record["returncode"], "wall_s": record["wall_s"],
+                            "peak_rss_mb": record["peak_rss_mb"]})
+            _progress(f"kv export {kv.OPTIMUM}: rc {record['returncode']}, {record['wall_s']} s")
+        if (out / "model.pte").is_file():
+            programs[kv.OPTIMUM] = out / "model.pte"
+        else:
+            why_not = "optimum-cli export failed (see bench/results/tmp/logs)"
+    if why_not:
+        skipped[kv.OPTIMUM] = why_not
+    engines = {}
+    if tokenizer_json is not None:
+        for position in kv.POSITIONS:
+            for name, pte in programs.items():
+                engines[f"{name} @ {position}"] = [PY, "-m", "bench.kv", "run", "--pte", str(pte), "--tokenizer-json",
+                                                   str(tokenizer_json), "--hf", str(hf), "--position", str(position),
+                                                   "--new-tokens", str(kv.NEW_TOKENS), "--threads", str(args.threads)]
+        engines[kv.FLOOR] = [PY, "-m", "bench.kv", "floor"]
+        for cache in ("fp32", "int8"):
+            engines[f"{kv.ATTENTION} ({cache})"] = [PY, "-m", "bench.kv", "attention", "--hf", str(hf), "--cache", cache,
+                                                   "--context", str(KV_CONTEXT), "--threads", str(args.threads)]
+    if args.peers:  # only these engines; the phase's other runs stay in kv.json (save_phase)
+        engines = {name: cmd for name, cmd in engines.items() if name in args.peers}
+    runs = run_interleaved("kv", engines, args.runs, log_dir)
+    return {"skipped": skipped, "runs": runs, "exports": exports,
+            "settings": {"context": KV_CONTEXT, "positions": list(kv.POSITIONS), "new_tokens": kv.NEW_TOKENS,
+                         "threads": args.threads, "recipe": RECIPE, "quant_algorithm": PEER_ALGORITHM[1],
+                         "greedy": True, "programs": {k: str(v) for k, v in programs.items()},
+                         "tokenizer_json": str(tokenizer_json), "versions": versions()}}
+
+
+def summarize_kv(data: dict) -> dict:
+    return kv.summarize_kv(data)
+
+
+def phase_kv_fidelity(args, hf: Path) -> dict:
+    """bench/kv_fidelity.py in its own process: each KV cache dtype against the fp32 cache, on the runtime."""
+    cmd = [PY, "-m", "bench.kv_fidelity", "--contexts", ",".join(str(c) for c in KV_FIDELITY_CONTEXTS)]
+    record = run_measured(cmd, TMP / "logs" / "kv-fidelity.log", cwd=ROOT, timeout_s=args.export_timeout)
+    _progress(f"kv-fidelity: rc {record['returncode']}, {record['wall_s']} s")
+    result = record.pop("result") or {}
+    return {"runs": [record], "skipped": {}, "rows": result.get("rows", []),
+            "settings": {"contexts": result.get("contexts"), "text_tokens": result.get("text_tokens"),
+                         "versions": versions()}}
+
+
 def _progress(message: str) -> None:
     print(f"[bench {dt.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
@@ -452,7 +531,9 @@ PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase
           "scaling": (phase_scaling, summarize_scaling, "layers"),
           "breakdown": (phase_breakdown, summarize_breakdown, "variant"),
           "versions": (phase_versions, summarize_versions, "install"),
-          "front": (phase_front, summarize_front, "shape")}
+          "front": (phase_front, summarize_front, "shape"),
+          "kv": (phase_kv, summarize_kv, "engine"),
+          "kv-fidelity": (phase_kv_fidelity, lambda data: {}, "engine")}
 
 
 def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from bench.front import is_default
+from bench.kv import ATTENTION, FLOOR, OPTIMUM, PROGRAMS
 from bench.runner import RUNNER
 from bench.scale import params_of
 
@@ -462,6 +463,73 @@ def front_plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def kv_table(data: dict) -> list[str]:
+    """bench/kv.py: the LLM runner at positions of one long context, fp32 and int8 caches and optimum's .pte."""
+    s, rows = data["settings"], data["rows"]
+    fp32, int8 = PROGRAMS
+    lines = [f"### KV cache in ExecuTorch's LLM runner ({s['recipe']}, {s['quant_algorithm']} qparams, context "
+             f"{s['context']}, {s['new_tokens']} new tokens ending at each position, greedy, {s['threads']} threads)",
+             _meta_line(data["meta"], "median of the runs per figure, programs in turn at each position, each "
+                                      "measurement its own process"), "",
+             "| position | program | prefill tok/s | decode tok/s | peak RSS MB | int8 ÷ this (decode) "
+             "| int8 ÷ this (RSS) | runs | stopped early |", "|---|---|---|---|---|---|---|---|---|"]
+    for position in s["positions"]:
+        mine = rows.get(f"{int8} @ {position}", {})
+        for program in (fp32, int8, OPTIMUM):
+            row = rows.get(f"{program} @ {position}")
+            if not row:
+                continue
+            own = program == int8
+            lines.append(f"| {position} | {program} | {fmt(row['prefill_tokens_per_s'])} "
+                         f"| {fmt(row['decode_tokens_per_s'])} | {fmt(row['peak_rss_mb'], 0)} "
+                         f"| {'' if own else ratio(mine.get('decode_tokens_per_s'), row['decode_tokens_per_s'])} "
+                         f"| {'' if own else ratio(mine.get('peak_rss_mb'), row['peak_rss_mb'])} | {row['runs']} "
+                         f"| {row['runs_stopped_early']} |")
+    for name, why in data.get("skipped", {}).items():
+        lines.append(f"| | {name} | not run: {why} | | | | | 0 | |")
+    floor = rows.get(FLOOR, {}).get("peak_rss_mb")
+    if floor:
+        last = s["positions"][-1]
+        lines += ["", f"RSS floor: the runner's process with its imports and thread pool and no program peaks at "
+                      f"{fmt(floor, 0)} MB (median of {rows[FLOOR]['runs']}); above it, at position {last}:"]
+        above = {p: (rows.get(f"{p} @ {last}") or {}).get("peak_rss_mb") for p in (fp32, int8, OPTIMUM)}
+        above = {p: v - floor for p, v in above.items() if v}
+        lines.append(", ".join(f"{p} {fmt(v, 0)} MB" for p, v in above.items())
+                     + (f"; int8 ÷ fp32 above the floor {ratio(above.get(int8), above.get(fp32))}."
+                        if above.get(int8) and above.get(fp32) else "."))
+    attention = {name: row["attention_ms_by_position"] for name, row in rows.items() if name.startswith(ATTENTION)}
+    if attention:
+        lines += ["", "The cache's work alone (every layer's cache write and attention on the model's cache shape, no "
+                      "weights, lowered as the programs are), ms per decode step at "
+                      + ", ".join(str(p) for p in s["positions"]) + ": "
+                      + "; ".join(f"{name[len(ATTENTION):].strip(' ()')} "
+                                  + " / ".join(fmt(ms.get(str(p)), 2) for p in s["positions"])
+                                  for name, ms in attention.items()) + "."]
+    lines += ["", "Each measurement prefills running text (the evaluation texts chained, no chat template) up to "
+                  f"{s['new_tokens']} tokens before the position and decodes {s['new_tokens']} tokens to it, in a "
+                  "fresh process after a 2-token warm-up; peak RSS is the process tree's (bench/measure.py)."]
+    return lines
+
+
+def kv_fidelity_table(data: dict) -> list[str]:
+    """bench/kv_fidelity.py: each cache against the fp32 cache with the same weights."""
+    lines = ["### KV cache fidelity against the fp32 cache (built-in model, evaluation texts chained to each "
+             "context, on the runtime)", _meta_line(data["meta"], "one program per weights and cache, deterministic"),
+             "", "| weights | cache | context | perplexity (fp32 cache) | perplexity ratio | top-1 % | mean KL "
+                 "| against fp32 weights and cache: perplexity ratio / mean KL |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        weights = row["weights"] + (f" ({row['quant_algorithm']})" if row.get("quant_algorithm") else "")
+        lines.append(f"| {weights} | {row['cache']} | {row['context']} | {fmt(row['perplexity_fp32'], 3)} "
+                     f"| {fmt(row['perplexity_ratio'], 4)} | {fmt(row['top1_agreement_percent'], 2)} "
+                     f"| {fmt(row['mean_kl'], 6)} | {fmt(row.get('fp32_model_perplexity_ratio'), 4)} / "
+                     f"{fmt(row.get('fp32_model_mean_kl'), 6)} |")
+    lines += ["", "Perplexity ratio, top-1 and mean KL against the program with the same weights and an fp32 cache; "
+                  "the text repeats after 817 tokens, so at 2048 a model that attends that far copies it (a ring "
+                  "of 512 recent tokens cannot)."]
+    return lines
+
+
 def ratio_cell(value) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
@@ -471,7 +539,8 @@ def write_all(results: Path) -> None:
              "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
     for name, render in (("decode", decode_table), ("runner", runner_table), ("export", export_table),
                          ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table),
-                         ("versions", versions_table), ("front", front_table)):
+                         ("versions", versions_table), ("front", front_table), ("kv", kv_table),
+                         ("kv-fidelity", kv_fidelity_table)):
         path = results / f"{name}.json"
         if not path.is_file():
             lines += [f"### {name.capitalize()}", f"No results yet: `python3 -m bench --phases {name}`.", ""]

@@ -20,7 +20,7 @@ thread_policy.torch_threads()
 # worker, so it is computed once: the built-in model's run, and test_matrix.py's Ray cluster. The built-in
 # group goes first, being the longest single chain.
 SHARED_FIXTURE_GROUPS = {"builtin_run": "builtin", "builtin_8da4w_run": "builtin", "builtin_fp32_run": "builtin",
-                         "ray_cluster": "ray", "ray_head": "ray"}
+                         "ray_cluster": "ray", "ray_head": "ray", "builtin_int8_ring_folder": "kv-cache"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -371,6 +371,23 @@ def builtin_fp32_run(builtin_run):
     """xnnpack-fp32 on the built-in model (its report carries fidelity)."""
     out, reports, result = builtin_run
     return out / "xnnpack-fp32", reports["xnnpack-fp32"], result
+
+
+# The built-in model's ring program: an int8 KV cache, a ring of this many recent tokens (and 4 sinks).
+BUILTIN_RING_WINDOW = 64
+
+
+@pytest.fixture(scope="session")
+def builtin_int8_ring_folder(tmp_path_factory):
+    """The built-in SmolLM2-135M as xnnpack-8da4w (HQQ qparams: no calibration search) with an int8 KV cache in a
+    ring of BUILTIN_RING_WINDOW recent tokens, export-only through `run()`: (recipe folder, report)."""
+    from recipes.request import RunRequest
+    from recipes.run import run
+
+    out = tmp_path_factory.mktemp("builtin-int8-ring")
+    options = {"quant_algorithm": "hqq", "kv_cache": "int8", "kv_cache_window": BUILTIN_RING_WINDOW}
+    summary = run(RunRequest(recipes=["xnnpack-8da4w"], out_dir=out, options=options, generate=False, profile=False))
+    return out, summary.recipes[0]
 
 
 @pytest.fixture(scope="session")

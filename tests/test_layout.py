@@ -16,6 +16,8 @@ def project_modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
+            if any(part.startswith(".") for part in parts):
+                continue  # bench/setup.sh's venv and caches are not the project's
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 

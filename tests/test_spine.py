@@ -79,6 +79,8 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     pte = (out / "model.pte").read_bytes()
     assert report["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
     assert report["pte"]["bytes"] == len(pte)
+    kv_cache = report["recipe"].pop("kv_cache")
+    assert (kv_cache["dtype"], kv_cache["window"], kv_cache["rows"], kv_cache["tokens_per_call"]) == ("fp32", None, 64, 64)
     assert report["recipe"] == {"name": "xnnpack-8da4w", "backend": "xnnpack", "quantization": "8da4w",
                                 "options": {"group_size": 32, "quant_algorithm": "awq",
                                             "mixed_precision_budget": 0.0, "kv_cache": "fp32",

@@ -111,18 +111,27 @@ DECISION_COLUMNS = ["recipe", "x", "perplexity_ratio", "pte_mb", "label"]
 
 
 def decision_plot(summary: JobSummary):
-    """Speed (or bytes read per token) against fidelity, a point per recipe labelled with its engine and .pte size;
-    and the line saying what measured the axes."""
+    """Speed (or bytes read per token) against fidelity: a point per recipe, its area by .pte size, its name beside
+    it and its engine in the legend; and the line saying what measured the axes."""
+    import altair as alt
     import gradio as gr
     import pandas as pd
 
     chart = decision_chart(summary)
-    points = [{**p, "label": f"{p['label']} · {p['pte_mb']:.0f} MB .pte"} for p in chart.points]
-    frame = pd.DataFrame(points, columns=DECISION_COLUMNS)
-    plot = gr.ScatterPlot(frame, x="x", y="perplexity_ratio", color="label", x_title=chart.x_title,
-                          y_title="perplexity vs fp32 (×)", color_title="recipe · engine · .pte size",
-                          visible=bool(points))
-    return plot, chart.note if points else f"No decision chart: {chart.note}"
+    frame = pd.DataFrame(chart.points, columns=DECISION_COLUMNS)
+    axes = alt.Chart(frame).encode(
+        x=alt.X("x:Q", title=chart.x_title, scale=alt.Scale(zero=False, nice=True)),
+        y=alt.Y("perplexity_ratio:Q", title="perplexity vs fp32 (×)", scale=alt.Scale(zero=False, nice=True)))
+    points = axes.mark_circle(opacity=0.75).encode(
+        size=alt.Size("pte_mb:Q", title=".pte (MB)", scale=alt.Scale(range=[80, 1600])),
+        color=alt.Color("label:N", title="recipe · engine"),
+        tooltip=[alt.Tooltip("label:N", title="recipe · engine"), alt.Tooltip("x:Q", title=chart.x_title),
+                 alt.Tooltip("perplexity_ratio:Q", title="perplexity vs fp32 (×)"),
+                 alt.Tooltip("pte_mb:Q", title=".pte (MB)")])
+    names = axes.mark_text(align="left", dx=14, dy=-10).encode(text="recipe:N")
+    # Vega draws on a canvas unless told otherwise; SVG keeps each point an element a browser (and a test) can read
+    plot = (points + names).properties(height=340, usermeta={"embedOptions": {"renderer": "svg"}})
+    return gr.Plot(plot, visible=not frame.empty), chart.note if not frame.empty else f"No decision chart: {chart.note}"
 
 
 def generation_columns(summary: JobSummary) -> str:
@@ -629,8 +638,7 @@ def lower_page() -> dict:
     with gr.Column(visible=False) as results:
         summary_table = gr.DataFrame(label="Summary (one row per recipe)", elem_id="summary-table")
         gr.Markdown("### Which recipe: speed against fidelity")
-        decision = gr.ScatterPlot(x="x", y="perplexity_ratio", color="label", label="Decision chart",
-                                  elem_id="decision-chart")
+        decision = gr.Plot(label="Decision chart", elem_id="decision-chart")
         decision_note = gr.Markdown(elem_id="decision-note")
         chart = gr.BarPlot(x="recipe", y="nodes", color="kind", label="Delegated vs non-delegated nodes")
         op_filter = gr.Dropdown(["all"], value="all", label="Per-op table: backend or recipe")

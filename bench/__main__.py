@@ -321,7 +321,8 @@ def summarize_scaling(data: dict) -> dict:
         stages = [r["result"]["timings_s"] for r in ok]
         summary.append({"layers": n, "runs": len(ok), "wall_s": median([r["wall_s"] for r in ok]),
                         "peak_rss_mb": median([r["peak_rss_mb"] for r in ok]), "cpu_s": median([r["cpu_s"] for r in ok]),
-                        "stages_s": {k: median([s[k] for s in stages]) for k in stages[0]}})
+                        "stages_s": {k: median([s[k] for s in stages]) for k, v in stages[0].items()
+                                     if isinstance(v, (int, float))}})
     return {"layers": summary}
 
 

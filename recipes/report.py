@@ -145,6 +145,18 @@ class Pt2eCalibration(Section):
 
 
 @dataclass
+class TimeEstimate(Section):
+    """timings_s.estimate: the recipe's seconds as estimated before the job from the zoo's measured cells
+    (zoo/time_estimate.py), by the parts the zoo measures: export, lowering and the rest (loading, quantizing and
+    writing; in a full job also generating and scoring)."""
+    export: float | None = None
+    lower: float | None = None
+    other: float | None = None
+    total: float | None = None
+    fitted_on: str | None = None  # the parameter range of the cells behind it, e.g. "134M–3.2B"
+
+
+@dataclass
 class Timings(Section):
     """timings_s: seconds per stage (a stage that did not run has no key), and the job's peak RSS."""
     load: float | None = optional()
@@ -166,6 +178,8 @@ class Timings(Section):
     runner_generate: float | None = optional()
     profile: float | None = optional()
     peak_rss_mb: float | None = optional()
+    total: float | None = optional()  # the recipe's wall: the job's shared stages (loading, reference) and its own
+    estimate: TimeEstimate | None = optional(load=_loader(TimeEstimate))
     other: dict = field(default_factory=dict, metadata={"spread": True})  # seconds of parts not named above
 
     def add(self, stage: str, seconds: float) -> None:

@@ -7,6 +7,7 @@ import copy
 import gc
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,11 +28,13 @@ from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend
 from recipes.prepare import Prepared, prepare
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
-                            MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
+                            MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, TimeEstimate,
+                            package_versions)
 from recipes.request import RunRequest, check_context, preparation_key, recipe_options, validate_request
 from recipes.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
 from recipes.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
 from recipes.tokenizer_files import tokenizer_files
+from zoo.time_estimate import estimate_time, size_label
 
 # The eager reference runs in fp32 when it fits, else in the checkpoint's own dtype (memory_estimate.py).
 REFERENCE_ENGINES = dict(zip((torch.float32, torch.bfloat16, torch.float16), REFERENCE_ENGINE_NAMES))
@@ -51,10 +54,13 @@ class _Job:
     reference: Generation | None = None
     eval_reference: fidelity.EvalReference | None = None
     prepared: dict[tuple, Prepared] = field(default_factory=dict)  # quantized modules a later recipe shares
+    time_estimates: dict[str, TimeEstimate] = field(default_factory=dict)  # recipe -> its estimate before the job
+    shared_s: float = 0.0  # the wall of the stages every recipe shares (loading, the reference)
 
 
 def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> JobSummary:
     """The job's summary; each recipe's report is also on disk."""
+    started = time.perf_counter()
     thread_policy.torch_threads()
     malloc_policy.unmap_large_blocks()
     recipes = [get_recipe(name) for name in request.recipes]
@@ -69,9 +75,11 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     for recipe in recipes:
         check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), checkpoint.config)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
-               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer))
+               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer),
+               time_estimates=_time_estimates(checkpoint.config, recipes, options, request.generate))
     if request.generate:
         _reference(job)
+    job.shared_s = time.perf_counter() - started
     out_dir = Path(request.out_dir)
     reports = []
     for index, recipe in enumerate(recipes):
@@ -85,6 +93,17 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     if progress:
         progress(1.0, "done")
     return summary
+
+
+def _time_estimates(config, recipes: list[Recipe], options: dict, generate: bool) -> dict[str, TimeEstimate]:
+    """Each recipe's seconds as the app estimates them before the click, to set beside the measured ones."""
+    try:
+        estimate = estimate_time(memory_estimate.parameter_count(config), recipes, options, generate)
+    except ValueError:  # a zoo with fewer than two measured sizes gives no estimate; the job runs without one
+        return {}
+    fitted_on = f"{size_label(estimate.smallest)}–{size_label(estimate.largest)}"
+    return {r.recipe: TimeEstimate(**{part: round(seconds, 1) for part, seconds in r.seconds.items()},
+                                   total=round(r.total_s, 1), fitted_on=fitted_on) for r in estimate.recipes}
 
 
 def _reference(job: _Job) -> None:
@@ -139,7 +158,7 @@ def kv_cache_section(recipe: Recipe, options: dict, config, max_seq_len: int) ->
 def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple]) -> Report:
     """One recipe from quantization to its report.json, written once. A failing recipe records why in its report
     and ships no .pte; the job's other recipes still run."""
-    request = job.request
+    request, started = job.request, time.perf_counter()
     figures = copy.deepcopy(job.shared)
     report = Report(model=job.model, versions=job.versions, timings=figures.timings,
                     recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
@@ -168,6 +187,8 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
             report, recipe_dir, recipe.backend.runtime_imports, lambda step: _generate(step, gen.ENGINE_RUNTIME, job),
             enabled=request.profile)
     figures.timings.peak_rss_mb = peak_rss_mb(figures.peaks)
+    figures.timings.total = round(job.shared_s + time.perf_counter() - started, 1)
+    figures.timings.estimate = job.time_estimates.get(recipe.name)
     estimate = job.memory.estimate
     report.memory = Memory(peak_rss_mb_by_stage=figures.peaks, peak_rss_mb=figures.timings.peak_rss_mb,
                            estimate=MemoryEstimate.from_dict(estimate.to_dict(), strict=True) if estimate else None)

@@ -35,6 +35,10 @@ class RecipeFigures:
     meets_target: bool | None
     export_s: float | None
     lower_s: float | None
+    total_s: float | None  # the recipe's wall, its share of the job's loading and reference included
+    estimated_s: float | None  # as estimated before the job
+    peak_gb: float | None
+    estimated_peak_gb: float | None
     error: str | None
 
     @property
@@ -77,8 +81,24 @@ def recipe_figures(report: Report, reference=None) -> RecipeFigures:
         target=fidelity.target if fidelity else None,
         meets_target=fidelity.meets_target if fidelity else None,
         export_s=_rounded(report.timings.export, 1), lower_s=_rounded(report.timings.lower, 1),
+        total_s=_rounded(report.timings.total, 1),
+        estimated_s=_rounded(report.timings.estimate.total, 1) if report.timings.estimate else None,
+        peak_gb=None if _number(report.timings.peak_rss_mb) is None else round(report.timings.peak_rss_mb / 1e3, 2),
+        estimated_peak_gb=_estimated_peak_gb(report),
         error=report.errors[0].message if report.errors else None,
     )
+
+
+def _estimated_peak_gb(report: Report) -> float | None:
+    """The peak the memory estimate put on the recipe before the job, its share of the job's shared stages
+    (loading, the reference) included as in the measured figure; the job's peak where it has no row."""
+    estimate = report.memory.estimate if report.memory else None
+    if estimate is None:
+        return None
+    row = next((r for r in estimate.recipes if r.get("recipe") == report.recipe.name), None)
+    peaks = [*estimate.stages.values(), row.get("peak_rss_bytes")] if row else [estimate.peak_rss_bytes]
+    peaks = [p for p in peaks if _number(p) is not None]
+    return round(max(peaks) / 1e9, 2) if peaks else None
 
 
 def job_figures(summary: JobSummary) -> list[RecipeFigures]:
@@ -114,6 +134,10 @@ COLUMNS = {
     "fidelity target": target_cell,
     "export (s)": lambda f: f.export_s,
     "lower (s)": lambda f: f.lower_s,
+    "time (s)": lambda f: f.total_s,
+    "estimated time (s)": lambda f: f.estimated_s,
+    "peak RSS (GB)": lambda f: f.peak_gb,
+    "estimated peak RSS (GB)": lambda f: f.estimated_peak_gb,
     "error": lambda f: f.error,
 }
 

@@ -345,11 +345,15 @@ def builtin_run(tmp_path_factory):
         # the data's points only: Vega draws the legend's swatches as symbols too (role-legend-symbol)
         shown["decision_points"] = page.locator("#decision-chart g.mark-symbol.role-mark path").count()
         shown["decision_chart"] = page.locator("#decision-chart").inner_text()
+        shown["decision_names"] = page.locator("#decision-chart g.mark-text.role-mark text").all_text_contents()
         page.screenshot(path=str(tmp / "builtin.png"), full_page=True)
         shown["screenshot"] = tmp / "builtin.png"
+        with page.expect_download() as download:  # the recipe's zip, as a person clicks it in the downloads list
+            page.locator('#downloads a[download="xnnpack-8da4w.zip"]').click()
+        shown["zip"] = tmp / "clicked" / download.value.suggested_filename
+        download.value.save_as(shown["zip"])
         browser.close()
     (job,) = list(app["jobs"].iterdir())
-    shown["zip"] = job / "xnnpack-8da4w.zip"  # what the page offers for download (test_app.py checks it is served)
     reports = {recipe: json.loads((job / recipe / "report.json").read_text()) for recipe in BUILTIN_RECIPES}
     return job, reports, shown
 

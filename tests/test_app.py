@@ -83,7 +83,10 @@ def test_lower_endpoint_with_gradio_client(app, tiny_llama_dir):
     assert generations.index("eager-fp32") < generations.index("executorch-runtime")
     assert generations.count("executorch-runtime") == 2
     assert sorted(Path(f).name for f in files) == ["xnnpack-8da4w.zip", "xnnpack-fp32.zip"]
-    assert [point[0] for point in decision["value"]["data"]] == ["xnnpack-fp32", "xnnpack-8da4w"]
+    spec = json.loads(decision["value"]["plot"])  # the Vega-Lite chart the page draws
+    (points,) = spec["datasets"].values()
+    assert [point["recipe"] for point in points] == ["xnnpack-fp32", "xnnpack-8da4w"]
+    assert spec["layer"][0]["encoding"]["size"]["field"] == "pte_mb" and all(p["pte_mb"] > 0 for p in points)
     assert "each .pte on the ExecuTorch runtime" in note
     jobs = [p for p in app["jobs"].iterdir()]
     job = next(j for j in jobs if j.name in status)
@@ -291,6 +294,12 @@ def test_browser_lowers_the_builtin_model(builtin_run):
     assert not [c for c in cells if any(bad in c for bad in raw)]
     assert "perplexity vs fp32 (×)" in shown["summary"] and "in delegates (% of decode time)" in shown["summary"]
     assert shown["decision_points"] == 2, shown["decision_chart"]
+    assert sorted(shown["decision_names"]) == ["xnnpack-8da4w", "xnnpack-fp32"]
+    # the estimate made before the click stands beside what the job measured
+    assert "estimated time (s)" in shown["summary"] and "estimated peak RSS (GB)" in shown["summary"]
+    for report in _reports.values():
+        timings = report["timings_s"]
+        assert timings["estimate"]["total"] > 0 and timings["total"] >= timings["export"] + timings["lower"]
     text = shown["generations"]
     # each recipe's column shows ExecuTorch's LLM runner on the folder's files
     assert "eager-fp32" in text and text.index("eager-fp32") < text.index("executorch-llm-runner")
@@ -300,8 +309,8 @@ def test_browser_lowers_the_builtin_model(builtin_run):
 
 @pytest.mark.builtin
 def test_the_downloaded_zip_is_the_folder_the_llm_runner_loads(builtin_run, tmp_path):
-    """The zip the page offers for a recipe (the file it serves, test_lower_endpoint_with_gradio_client), unzipped:
-    ExecuTorch's TextLLMRunner loads its .pte with its tokenizer and answers the default prompt."""
+    """The zip a person downloads from the page for a recipe (clicked in chromium), unzipped: ExecuTorch's
+    TextLLMRunner loads its .pte with its tokenizer and answers the default prompt."""
     import zipfile
 
     from transformers import AutoTokenizer
@@ -309,7 +318,9 @@ def test_the_downloaded_zip_is_the_folder_the_llm_runner_loads(builtin_run, tmp_
     from recipes.generate import DEFAULT_PROMPT
     from recipes.llm_runner import generate_with_runner
 
-    _job, reports, shown = builtin_run
+    job, reports, shown = builtin_run
+    assert shown["zip"].name == "xnnpack-8da4w.zip"
+    assert shown["zip"].read_bytes() == (job / "xnnpack-8da4w.zip").read_bytes()  # the zip written in the job
     with zipfile.ZipFile(shown["zip"]) as archive:
         archive.extractall(tmp_path)
     assert {"model.pte", "tokenizer.json", "tokenizer_config.json", "report.json", "README.md", "model.etdump"} <= {

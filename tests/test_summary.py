@@ -76,3 +76,20 @@ def test_a_recipe_folder_zips_whole_with_its_model_card(tiny_fp32_run, tmp_path)
         assert archive.read("model.pte") == (folder / "model.pte").read_bytes()
         assert "library_name: executorch" in archive.read("README.md").decode()
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_the_estimate_made_before_the_job_stands_beside_the_measured_figures():
+    from recipes.report import TimeEstimate
+
+    summary = _summary("report_xnnpack_fp32.json")
+    report = summary.recipes[0]
+    assert summary_rows(summary)[0]["estimated time (s)"] == MISSING  # written before reports carried one
+    report.timings.total = 41.26
+    report.timings.estimate = TimeEstimate(export=10.0, lower=5.0, other=20.0, total=35.0, fitted_on="134M–3.2B")
+    row = summary_rows(summary)[0]
+    assert (row["time (s)"], row["estimated time (s)"]) == (41.3, 35.0)
+    assert row["peak RSS (GB)"] == round(report.timings.peak_rss_mb / 1e3, 2)
+    assert isinstance(row["estimated peak RSS (GB)"], float) and row["estimated peak RSS (GB)"] > 0
+    assert list(row).index("estimated time (s)") == list(row).index("time (s)") + 1
+    again = type(report).from_dict(json.loads(report.to_json()))
+    assert again.timings.estimate == report.timings.estimate

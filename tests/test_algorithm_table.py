@@ -152,3 +152,46 @@ def test_the_apps_dropdown_shows_those_choices():
     with gr.Blocks():
         algorithm, _budget, _layer_map = quant_controls()
     assert [tuple(choice) for choice in algorithm.choices] == quant_algorithm_choices()
+
+
+def test_the_default_algorithm_follows_the_model_size_and_a_requested_one_wins():
+    """awq up to the rule's size, hqq above (Llama-3.2-1B's and 3B's shapes on either side); a scheme without hqq
+    keeps awq; the requested algorithm is kept at every size, and the reason says which rule chose it."""
+    from transformers import LlamaConfig
+
+    from bench.scale_models import CONFIGS
+    from quant.algorithms import AWQ_DEFAULT_MAX_PARAMETERS
+    from recipes.memory_estimate import parameter_count
+    from recipes.registry import get_recipe
+    from recipes.request import algorithm_reason, recipe_options
+
+    small, large = (parameter_count(LlamaConfig(**CONFIGS[name])) for name in ("llama-3.2-1b", "llama-3.2-3b"))
+    assert small <= AWQ_DEFAULT_MAX_PARAMETERS < large
+    xnnpack, qnn, fp32 = (get_recipe(name) for name in ("xnnpack-8da4w", "qnn-16a4w", "xnnpack-fp32"))
+    assert recipe_options(xnnpack, {}, small)["quant_algorithm"] == "awq"
+    assert recipe_options(xnnpack, {}, large)["quant_algorithm"] == "hqq"
+    assert recipe_options(xnnpack, {}, None)["quant_algorithm"] == "awq"  # size not known yet
+    assert recipe_options(qnn, {}, large)["quant_algorithm"] == "awq"
+    for size in (small, large):
+        assert recipe_options(xnnpack, {"quant_algorithm": "minmax"}, size)["quant_algorithm"] == "minmax"
+        assert algorithm_reason(xnnpack, {"quant_algorithm": "minmax"}, size) == "asked for (--quant-algorithm)"
+    assert algorithm_reason(xnnpack, {}, small).startswith("the default up to 2B parameters")
+    assert algorithm_reason(xnnpack, {}, large).startswith("the default above 2B parameters")
+    assert algorithm_reason(fp32, {}, large) is None and "quant_algorithm" not in recipe_options(fp32, {}, large)
+
+
+def test_the_job_memory_check_estimates_the_algorithm_the_size_rule_picks(monkeypatch):
+    from transformers import LlamaConfig
+
+    from bench.scale_models import CONFIGS
+    from recipes.memory_estimate import LIMIT_ENV, JobMemoryCheck, parameter_count
+    from recipes.registry import get_recipe
+    from recipes.request import recipe_options
+
+    monkeypatch.setenv(LIMIT_ENV, "1000")  # the check's refusal is not what is tested here
+    recipe = get_recipe("xnnpack-8da4w")
+    config = LlamaConfig(**CONFIGS["llama-3.2-3b"])
+    check = JobMemoryCheck([recipe], 512, False, options_for=lambda c: {
+        recipe.name: recipe_options(recipe, {}, parameter_count(c))})
+    check(config)
+    assert check.options[recipe.name]["quant_algorithm"] == "hqq"

@@ -1,4 +1,6 @@
-"""AWQ's activation-aware scales (torchao.prototype.awq's AWQObserver), one decoder layer at a time.
+"""AWQ's activation-aware scales, one decoder layer at a time: torchao's candidates (the inputs' mean magnitude to
+the power i / 20), searched on plain tensors with the numbers of the torchao config that quantizes them (FAST), or
+by torchao.prototype.awq's AWQObserver itself (EXHAUSTIVE).
 
 A layer's scales come from the inputs its linears see on the calibration text; folding them into the op
 before each linear leaves the layer's function as it was, so the hidden states a layer passes on are the

@@ -69,8 +69,8 @@ class Algorithm:
 # built-in model (docs/quantization.md): the most faithful within the same program and bytes whose quantize time
 # stays within twice minmax's plus a minute. That is AWQ (GPTQ takes minutes), for every int4 scheme.
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    # AWQ's search of each decoder layer's scales on the calibration text, torchao's candidates (quant/awq.py)
-    # (quant/awq.py); folded into the op before each linear, they add no op. They change which weights matter,
+    # AWQ's search of each decoder layer's scales on the calibration text, torchao's candidates (quant/awq.py);
+    # folded into the op before each linear, they add no op. They change which weights matter,
     # not how a group's scale is fitted, so HQQ's fit still helps after them (measured on the built-in model).
     Algorithm("awq", "activation-aware weight scales searched on the calibration text (AWQ on torchao), folded into "
                      "norms, then HQQ scale-only qparams",

@@ -143,6 +143,10 @@ class InputStatistics:
         return torch.cat(self.kept)
 
 
+# The bytes of a weight's rows quantized at once while scoring a candidate: within a core's share of the cache.
+BLOCK_BYTES = 1 << 20
+
+
 class CandidateQuantizer:
     """The quantize-dequantize a torchao int4 config applies to a linear (symmetric groups, min/max scales, and
     for the 8da4w configs int8 per-token activations), written on plain fp32 tensors: a candidate is scored with
@@ -161,12 +165,26 @@ class CandidateQuantizer:
         self.activations_int8 = isinstance(config, Int8DynamicActivationIntxWeightConfig)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """w quantized to int4 groups and back; w is a scratch tensor the result may overwrite."""
+        """w quantized to int4 groups and back, in place (w is a scratch tensor)."""
         rows, columns = w.shape
         groups = w.view(rows, -1, self.group or columns)
-        scale = groups.abs().amax(-1, keepdim=True).div_(7.5).clamp_(min=torch.finfo(torch.float32).eps)
+        low, high = groups.aminmax(dim=-1, keepdim=True)
+        scale = torch.maximum(high, low.neg_()).div_(7.5).clamp_(min=torch.finfo(torch.float32).eps)
         # times the reciprocal, as torchao's quantize_affine: a group's extreme lands on -7, not -8
         return groups.mul_(1.0 / scale).round_().clamp_(-8, 7).mul_(scale).view(rows, columns)
+
+    def output(self, weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x / scale through the quantized weight * scale, transposed ([out, tokens]): a block of rows at a time,
+        each quantized in a scratch tensor the CPU's cache holds through the passes and the product that reads it."""
+        x = self.activations(x / scale).T.contiguous()
+        rows_at_once = max(1, BLOCK_BYTES // (4 * weight.shape[1]))
+        scratch = torch.empty(min(rows_at_once, weight.shape[0]), weight.shape[1])
+        out = torch.empty(weight.shape[0], x.shape[1])
+        for start in range(0, weight.shape[0], rows_at_once):
+            block = weight[start:start + rows_at_once]
+            w = self.weight(torch.mul(block, scale, out=scratch[:block.shape[0]]))
+            torch.mm(w, x, out=out[start:start + block.shape[0]])
+        return out
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """x as the 8da4w kernels see it: int8 per token, asymmetric; unchanged for weight-only configs."""
@@ -194,21 +212,20 @@ def search_scale(weight: torch.Tensor, inputs: InputStatistics, quantizer: Candi
     x = inputs.sample
     weight = weight.float()
 
-    def output(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = x @ w.T
+    def output(y: torch.Tensor) -> torch.Tensor:
+        """The scored output of the group's output y [out, tokens]."""
         if after is None:
             return y
-        gate, up = y.chunk(2, dim=-1)
+        gate, up = y.T.chunk(2, dim=-1)
         return after(torch.nn.functional.silu(gate) * up)
 
-    reference = output(weight, x)  # the unscaled float output, once for every candidate
+    reference = output(weight @ x.T)  # the unscaled float output, once for every candidate
     losses: dict[int, float] = {}
 
     def loss(index: int) -> float:
         if index not in losses:
             scale = candidate_scale(inputs.mean_magnitude, index)
-            w = quantizer.weight(weight * scale)
-            losses[index] = (output(w, quantizer.activations(x / scale)) - reference).pow(2).mean().item()
+            losses[index] = (output(quantizer.output(weight, scale, x)) - reference).pow(2).mean().item()
         return losses[index]
 
     best = min(range(0, AWQ_SCALE_CANDIDATES, plan.coarse_step), key=loss)

@@ -67,7 +67,8 @@ class Algorithm:
 
 # In the order the schemes offer them: the first a scheme takes is its default, chosen by measurement on the
 # built-in model (docs/quantization.md): the most faithful within the same program and bytes whose quantize time
-# stays within twice minmax's plus a minute. That is AWQ (GPTQ takes minutes), for every int4 scheme.
+# stays within twice minmax's plus a minute. That is AWQ (GPTQ takes minutes), for every int4 scheme; above
+# AWQ_DEFAULT_MAX_PARAMETERS the group-wise schemes take HQQ instead (default_algorithm).
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     # AWQ's search of each decoder layer's scales on the calibration text, torchao's candidates (quant/awq.py);
     # folded into the op before each linear, they add no op. They change which weights matter,

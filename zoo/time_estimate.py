@@ -29,7 +29,7 @@ GROUPINGS = {
 MIN_SECONDS = 1.0  # a part measured as less (rounding, or parts summed past the total) counts as this
 # Seconds a calibration search adds per 1e9 parameters on a 2-core host, for algorithms no zoo cell recorded (the
 # cells' quantizing has no search in it): AWQ's at Llama-3.2-1B's shape, export-only (docs/quantization.md).
-SEARCH_S_PER_BILLION = {"awq": 44.0, "awq-gptq": 44.0}
+SEARCH_S_PER_BILLION = {"awq": 28.0, "awq-gptq": 28.0}
 
 
 @dataclass(frozen=True)

@@ -220,14 +220,13 @@ def quant_algorithm_choices() -> list[tuple[str, str]]:
     """The quantization algorithm dropdown's (label, value) pairs: each scheme's default, then every algorithm
     of quant/algorithms.py with its one-line description."""
     # loads torch, which main() lets load only after the thread policy is set
-    from quant.algorithms import ALGORITHMS, AWQ_DEFAULT_MAX_PARAMETERS, LIGHTEST_ALGORITHM
+    from quant.algorithms import ALGORITHMS
     from quant.schemes import SCHEMES, scheme_options
 
     defaults = ", ".join(f"{name}: {scheme_options(name)['quant_algorithm']}" for name in SCHEMES
                          if "quant_algorithm" in scheme_options(name))
     # "" leaves each recipe its scheme's own default, as the CLI does without --quant-algorithm
-    return [(f"each scheme's default ({defaults}; {LIGHTEST_ALGORITHM} instead of awq above "
-             f"{AWQ_DEFAULT_MAX_PARAMETERS / 1e9:g}B parameters)", ""),
+    return [(f"each scheme's default ({defaults})", ""),
             *((f"{name} — {algorithm.description}", name) for name, algorithm in ALGORITHMS.items())]
 
 
@@ -237,7 +236,6 @@ def quant_controls() -> tuple:
     import gradio as gr
 
     # loads torch, which main() lets load only after the thread policy is set
-    from quant.algorithms import size_rule
     from quant.schemes import SCHEMES, scheme_options
 
     def schemes_taking(option: str) -> list[str]:
@@ -247,7 +245,7 @@ def quant_controls() -> tuple:
     algorithm = gr.Dropdown(quant_algorithm_choices(), value="", label="Quantization algorithm",
                             elem_id="quant-algorithm",
                             info=f"how int4 weights get their scales ({', '.join(with_algorithm)} recipes; "
-                                 f"the others ignore it). By default {size_rule()}; a choice here overrides it")
+                                 "the others ignore it)")
     budget = gr.Number(0, label="Mixed precision byte budget (0 = off)", elem_id="mixed-precision-budget",
                        info="extra weight bytes per token as a fraction: 0.1 (+10 % bytes per token) keeps at 8 "
                             f"bits the linears that bring the logits closest to fp32 per byte ({', '.join(with_budget)} "
@@ -403,7 +401,6 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
     # loads torch, which main() lets load only after the thread policy is set
     from models.model_config import hub_weights_cached, model_config
     from recipes.job_cost import check_recipe_options, job_cost, recipe_options_for
-    from recipes.memory_estimate import parameter_count
     from recipes.registry import get_recipe
     from zoo.time_estimate import estimate_time
 
@@ -414,7 +411,7 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
         revision, token = (revision or "").strip() or None, (token or "").strip() or None
         config = model_config(model, revision, token)
         recipes = [get_recipe(name) for name in recipe_names]
-        per_recipe = recipe_options_for(recipes, options, parameter_count(config))
+        per_recipe = recipe_options_for(recipes, options)
         check_recipe_options(recipes, per_recipe)
         downloads = source == HUB and not hub_weights_cached(model, revision)
         cost = job_cost(config, recipes, per_recipe, int(max_seq_len), not export_only, jobs_root(),

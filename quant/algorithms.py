@@ -67,8 +67,8 @@ class Algorithm:
 
 # In the order the schemes offer them: the first a scheme takes is its default, chosen by measurement on the
 # built-in model (docs/quantization.md): the most faithful within the same program and bytes whose quantize time
-# stays within twice minmax's plus a minute. That is AWQ (GPTQ takes minutes), for every int4 scheme; above
-# AWQ_DEFAULT_MAX_PARAMETERS the group-wise schemes take HQQ instead (default_algorithm).
+# stays within twice minmax's plus a minute. That is AWQ (GPTQ takes minutes), for every int4 scheme; its fast
+# search keeps an export-only job within half of optimum-cli's time at Llama-3.2-1B's and 3B's shapes.
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     # AWQ's search of each decoder layer's scales on the calibration text, torchao's candidates (quant/awq.py);
     # folded into the op before each linear, they add no op. They change which weights matter,
@@ -105,29 +105,6 @@ PLAIN_ALGORITHM = "minmax"
 SEARCH_QPARAMS = AFFINE
 # What a job refused for memory is pointed to: no calibration search, piece by piece.
 LIGHTEST_ALGORITHM = "hqq"
-# The size rule of the group-wise int4 schemes' default: AWQ up to this many parameters, HQQ above, where AWQ's
-# search would take an export-only job past half of optimum-cli's time for the same export (measured at
-# Llama-3.2-1B's and 3B's shapes: docs/quantization.md).
-AWQ_DEFAULT_MAX_PARAMETERS = 2_000_000_000
-
-
-def default_algorithm(offered: tuple[str, ...], parameters: int | None) -> tuple[str, str]:
-    """(the default of a scheme offering `offered` for a model of `parameters` (None: not known yet), why)."""
-    first = offered[0]
-    if first != "awq" or LIGHTEST_ALGORITHM not in offered:
-        return first, "the scheme's default"
-    limit = f"{AWQ_DEFAULT_MAX_PARAMETERS / 1e9:g}B parameters"
-    if parameters is not None and parameters > AWQ_DEFAULT_MAX_PARAMETERS:
-        return LIGHTEST_ALGORITHM, (f"the default above {limit}: AWQ's calibration search would take the export past "
-                                    "half of optimum-cli's time; HQQ fits each group without calibration")
-    return first, f"the default up to {limit}: AWQ's calibration search, the most faithful quick algorithm"
-
-
-def size_rule() -> str:
-    """The default's size rule in one line, for the CLI's list and the app's dropdown."""
-    return (f"the group-wise int4 schemes default to awq up to {AWQ_DEFAULT_MAX_PARAMETERS / 1e9:g}B parameters and "
-            f"to {LIGHTEST_ALGORITHM} above, where AWQ's search would take the export past half of optimum-cli's "
-            "time")
 
 
 def offered_algorithms(pt2e: bool) -> tuple[str, ...]:

@@ -63,7 +63,6 @@ def quant_algorithm_help() -> str:
 
 def list_recipes() -> str:
     # these load torch, which main() lets load only after thread_policy.limit_openmp_default()
-    from quant.algorithms import size_rule
     from recipes.registry import compatibility_table, load_backends
     from recipes.request import recipe_defaults
 
@@ -76,7 +75,6 @@ def list_recipes() -> str:
     lines += ["", "where each backend's .pte runs:"]
     lines += [f"  {backend.name:<9} {backend.runs_on}" for backend in registry.backends.values()]
     lines += ["", "schemes each backend takes (--group-size applies to group-wise schemes):", compatibility_table()]
-    lines += ["", f"default quant algorithm: {size_rule()}; --quant-algorithm overrides it"]
     if registry.unavailable:
         lines += ["", "unavailable backend modules:"]
         lines += [f"  {module}: {why}" for module, why in registry.unavailable.items()]

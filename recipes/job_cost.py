@@ -10,7 +10,7 @@ from models.errors import UserFacingError
 from quant.quantize import check_options
 from quant.schemes import check_group_size
 from recipes.memory_estimate import check_job_fits, estimate_job, memory_budget, parameter_count
-from recipes.request import recipe_options
+from recipes.request import recipe_defaults
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,13 @@ class JobCost:
     parameters: int
 
 
-def recipe_options_for(recipes: list, given: dict, parameters: int | None = None) -> dict:
-    """Recipe name -> its options: its defaults with the given ones it takes, as the job will run it on a model of
-    `parameters` (the default algorithm's size rule)."""
-    return {recipe.name: recipe_options(recipe, given, parameters) for recipe in recipes}
+def recipe_options_for(recipes: list, given: dict) -> dict:
+    """Recipe name -> its options: its defaults with the given ones it takes, as the job will run it."""
+    found = {}
+    for recipe in recipes:
+        defaults = recipe_defaults(recipe)
+        found[recipe.name] = {**defaults, **{k: v for k, v in given.items() if k in defaults}}
+    return found
 
 
 def check_recipe_options(recipes: list, options: dict) -> None:

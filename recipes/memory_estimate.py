@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -309,11 +308,7 @@ class JobMemoryCheck:
     generate: bool
     options: dict | None = None  # recipe name -> its options
     estimate: JobEstimate | None = None
-    # config -> the options as the job runs them for that model (the default algorithm's size rule), if they differ
-    options_for: Callable[[object], dict] | None = None
 
     def __call__(self, config, eval_tokens: list[int] | None = None) -> None:
-        if self.options_for is not None:
-            self.options = self.options_for(config)
         self.estimate = check_job_fits(config, self.recipes, self.max_seq_len, self.generate, self.options,
                                        eval_tokens)

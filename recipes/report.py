@@ -261,7 +261,6 @@ class Quantization(Section):
     """quantization: the scheme and algorithm the recipe's module was quantized with (quant/quantize.py)."""
     scheme: str | None = None
     algorithm: str | None = None  # the int4 algorithm; None for a scheme without int4 weights
-    algorithm_reason: str | None = optional()  # why: asked for, or the default's size rule (quant/algorithms.py)
     calibration: QuantCalibration | None = optional(load=_loader(QuantCalibration))
     mixed_precision: MixedPrecision | None = optional(load=_loader(MixedPrecision))
     weight_bytes_per_token: int | None = optional()  # None for a PT2E scheme, quantized after export

@@ -8,9 +8,8 @@ from pathlib import Path
 from models.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.prompting import prompt_token_ids
-from quant.algorithms import default_algorithm
 from quant.quantize import check_options
-from quant.schemes import SCHEMES, check_group_size, scheme_options
+from quant.schemes import check_group_size, scheme_options
 from recipes.generate import DEFAULT_PROMPT
 from recipes.registry import Recipe, load_backends
 
@@ -68,24 +67,10 @@ def recipe_defaults(recipe: Recipe) -> dict:
     return {**scheme_options(recipe.quantization), **recipe.options}
 
 
-def recipe_options(recipe: Recipe, requested: dict, parameters: int | None = None) -> dict:
-    """The recipe's options: its defaults, overridden by the requested options it takes. With the model's
-    `parameters` known, an unrequested quant_algorithm follows the default's size rule (quant/algorithms.py)."""
+def recipe_options(recipe: Recipe, requested: dict) -> dict:
+    """The recipe's options: its defaults, overridden by the requested options it takes."""
     defaults = recipe_defaults(recipe)
-    options = {**defaults, **{k: v for k, v in requested.items() if k in defaults}}
-    if "quant_algorithm" in defaults and "quant_algorithm" not in requested:
-        options["quant_algorithm"] = default_algorithm(SCHEMES[recipe.quantization].algorithms, parameters)[0]
-    return options
-
-
-def algorithm_reason(recipe: Recipe, requested: dict, parameters: int | None) -> str | None:
-    """Why the recipe quantizes with its algorithm (None: the scheme takes no choice): asked for, or the default's
-    size rule."""
-    if "quant_algorithm" not in recipe_defaults(recipe):
-        return None
-    if "quant_algorithm" in requested:
-        return "asked for (--quant-algorithm)"
-    return default_algorithm(SCHEMES[recipe.quantization].algorithms, parameters)[1]
+    return {**defaults, **{k: v for k, v in requested.items() if k in defaults}}
 
 
 def preparation_key(recipe: Recipe, options: dict, max_seq_len: int) -> tuple:

@@ -7,7 +7,7 @@ import copy
 import gc
 import json
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,8 +28,7 @@ from recipes.prepare import Prepared, prepare
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.report import (Delegation, Fidelity, Generation, JobSummary, LayerMap, LlmMetadata, Memory,
                             MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
-from recipes.request import (RunRequest, algorithm_reason, check_context, preparation_key, recipe_options,
-                             validate_request)
+from recipes.request import RunRequest, check_context, preparation_key, recipe_options, validate_request
 from recipes.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
 from recipes.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
 from recipes.tokenizer_files import tokenizer_files
@@ -52,7 +51,6 @@ class _Job:
     reference: Generation | None = None
     eval_reference: fidelity.EvalReference | None = None
     prepared: dict[tuple, Prepared] = field(default_factory=dict)  # quantized modules a later recipe shares
-    algorithm_reasons: dict[str, str | None] = field(default_factory=dict)  # recipe name -> why its algorithm
 
 
 def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> JobSummary:
@@ -61,25 +59,17 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     malloc_policy.unmap_large_blocks()
     recipes = [get_recipe(name) for name in request.recipes]
     validate_request(request, recipes)
+    options = {recipe.name: recipe_options(recipe, request.options) for recipe in recipes}
     stages, shared = Stages(progress, cancel, total=3 + 7 * len(recipes)), Figures()
-
-    def options_for(config) -> dict:
-        """Each recipe's options for this model: an unrequested algorithm follows the default's size rule."""
-        parameters = memory_estimate.parameter_count(config)
-        return {recipe.name: recipe_options(recipe, request.options, parameters) for recipe in recipes}
-
-    memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options_for=options_for)
+    memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options)
     with stages.stage("loading the checkpoint", shared, "load"):
         checkpoint = load_checkpoint(request.model, revision=request.revision, token=request.token,
                                      allow_pickle=request.allow_pickle, progress=progress, check_config=memory)
     check_context(checkpoint, request)
-    options = options_for(checkpoint.config)
-    parameters = memory_estimate.parameter_count(checkpoint.config)
-    reasons = {recipe.name: algorithm_reason(recipe, request.options, parameters) for recipe in recipes}
     for recipe in recipes:
         check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), checkpoint.config)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
-               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer), algorithm_reasons=reasons)
+               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer))
     if request.generate:
         _reference(job)
     out_dir = Path(request.out_dir)
@@ -181,10 +171,8 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
     module = lowered = None
     stage = "prepare"
     try:
-        module, program, quantization = prepare(recipe, options, checkpoint, request.max_seq_len, job.prepared,
-                                                job.stages, figures)
-        report.quantization = replace(quantization, algorithm_reason=job.algorithm_reasons.get(recipe.name)
-                                      if quantization.algorithm else None)
+        module, program, report.quantization = prepare(recipe, options, checkpoint, request.max_seq_len, job.prepared,
+                                                       job.stages, figures)
         stage = "lower"
         backend = recipe.backend
         with job.stages.stage(f"lowering to {backend.title} ({recipe.name})", figures, "lower"):

@@ -17,9 +17,10 @@ from torch import nn
 
 AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
 # What AwqAsBuilt's search on a decoder layer holds beside the float layer, in fp32 copies of the linears reading
-# the layer's widest input (gate and up concatenated): torchao's observer concatenates them, and each candidate
-# scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to the peak of an
-# export-only job at Llama-3.2-1B's shape (recipes/memory_estimate.py counts it).
+# the layer's widest input (gate and up concatenated): torchao's observer (EXHAUSTIVE) concatenates them, and each
+# candidate scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to that search's
+# peak in an export-only job at Llama-3.2-1B's shape (recipes/memory_estimate.py counts it); FAST holds one copy
+# and a block of rows, so for it the figure is an upper bound.
 AWQ_SEARCH_COPIES = 15
 
 

@@ -1,4 +1,6 @@
-"""AWQ's activation-aware scales (torchao.prototype.awq's AWQObserver), one decoder layer at a time.
+"""AWQ's activation-aware scales, one decoder layer at a time: torchao's candidates (the inputs' mean magnitude to
+the power i / 20), searched on plain tensors with the numbers of the torchao config that quantizes them (FAST), or
+by torchao.prototype.awq's AWQObserver itself (EXHAUSTIVE).
 
 A layer's scales come from the inputs its linears see on the calibration text; folding them into the op
 before each linear leaves the layer's function as it was, so the hidden states a layer passes on are the
@@ -8,14 +10,17 @@ model is never needed (AwqAsBuilt), and a whole float module gets the same scale
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
 # What AwqAsBuilt's search on a decoder layer holds beside the float layer, in fp32 copies of the linears reading
-# the layer's widest input (gate and up concatenated): torchao's observer concatenates them, and each candidate
-# scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to the peak of an
-# export-only job at Llama-3.2-1B's shape (recipes/memory_estimate.py counts it).
+# the layer's widest input (gate and up concatenated): torchao's observer (EXHAUSTIVE) concatenates them, and each
+# candidate scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to that search's
+# peak in an export-only job at Llama-3.2-1B's shape (recipes/memory_estimate.py counts it); FAST holds one copy
+# and a block of rows, so for it the figure is an upper bound.
 AWQ_SEARCH_COPIES = 15
 
 
@@ -58,16 +63,39 @@ def _clear_cache(layer) -> None:
     layer.self_attn.v_cache.zero_()
 
 
-@torch.no_grad()
-def search_layer(layer, states: list[torch.Tensor], arguments: list[tuple], weight_config) -> list[torch.Tensor]:
-    """Searches and folds AWQ's scales for one float decoder layer, one AWQObserver per input shared by several
-    linears (their weights concatenated: AWQ searches one scale per input), from `states`, the hidden states
-    entering it (one per calibration window, each called with its `arguments`). Returns the states leaving it."""
-    from torchao.prototype.awq.core import AWQObserver
+@dataclass(frozen=True)
+class SearchPlan:
+    """How a decoder layer's scales are searched. Every plan picks among the same candidates, ratio i / 20 of the
+    inputs' mean magnitude; `exhaustive` is torchao's AWQObserver, which quantizes every candidate with the torchao
+    config and scores it on every calibration token, each linear group on its own output."""
 
+    exhaustive: bool = False
+    # candidates are scored on every token_stride-th calibration token (the mean magnitude reads all of them)
+    token_stride: int = 4
+    # grid steps between the candidates scored first; then halved around the best until 1 (1: every candidate)
+    coarse_step: int = 4
+    # gate and up scored on the MLP's output (down_proj in float) rather than on their own outputs
+    mlp_block: bool = True
+
+
+FAST = SearchPlan()
+EXHAUSTIVE = SearchPlan(exhaustive=True, token_stride=1, coarse_step=1, mlp_block=False)
+
+
+@torch.no_grad()
+def search_layer(layer, states: list[torch.Tensor], arguments: list[tuple], weight_config,
+                 plan: SearchPlan = FAST) -> list[torch.Tensor]:
+    """Searches and folds AWQ's scales for one float decoder layer, one scale per input shared by several linears
+    (their weights concatenated: AWQ searches one scale per input), from `states`, the hidden states entering it
+    (one per calibration window, each called with its `arguments`). Returns the states leaving it."""
     groups = layer_scale_owners(layer)
-    observers = [AWQObserver(torch.cat([l.weight for l in linears]), None, weight_config, AWQ_SCALE_CANDIDATES)
-                 for _owner, linears in groups]
+    if plan.exhaustive:
+        from torchao.prototype.awq.core import AWQObserver  # torchao's prototype is read only by this plan
+
+        observers = [AWQObserver(torch.cat([l.weight for l in linears]), None, weight_config, AWQ_SCALE_CANDIDATES)
+                     for _owner, linears in groups]
+    else:
+        observers = [InputStatistics(plan.token_stride) for _group in groups]
     hooks = [linears[0].register_forward_pre_hook(lambda m, args, obs=obs: obs(args[0], None))
              for obs, (_owner, linears) in zip(observers, groups)]
     leaving = []
@@ -79,9 +107,134 @@ def search_layer(layer, states: list[torch.Tensor], arguments: list[tuple], weig
         for hook in hooks:
             hook.remove()
         _clear_cache(layer)
-    for (owner, linears), observer in zip(groups, observers):
-        fold_input_scale(owner, linears, observer.calculate_qparams().to(torch.float32))
+    for index, ((owner, linears), observer) in enumerate(zip(groups, observers)):
+        if plan.exhaustive:
+            scale = observer.calculate_qparams().to(torch.float32)
+        else:
+            after = layer.mlp.down_proj if plan.mlp_block and linears == layer_linears(layer)["mlp_in"] else None
+            scale = search_scale(torch.cat([l.weight for l in linears]), observer, CandidateQuantizer(weight_config),
+                                 plan, after)
+        fold_input_scale(owner, linears, scale)
     return leaving
+
+
+class InputStatistics:
+    """What the fast search keeps of a linear group's input: each channel's mean magnitude over every token (a
+    running sum), and every `stride`-th token to score candidates on."""
+
+    def __init__(self, stride: int):
+        self.stride = stride
+        self.magnitude_sum: torch.Tensor | None = None
+        self.tokens = 0
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, x: torch.Tensor, _output) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        total = x.abs().sum(0)
+        self.magnitude_sum = total if self.magnitude_sum is None else self.magnitude_sum + total
+        self.tokens += x.shape[0]
+        self.kept.append(x[::self.stride].clone())
+
+    @property
+    def mean_magnitude(self) -> torch.Tensor:
+        return self.magnitude_sum / self.tokens
+
+    @property
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.kept)
+
+
+# The bytes of a weight's rows quantized at once while scoring a candidate: within a core's share of the cache.
+BLOCK_BYTES = 1 << 20
+
+
+class CandidateQuantizer:
+    """The quantize-dequantize a torchao int4 config applies to a linear (symmetric groups, min/max scales, and
+    for the 8da4w configs int8 per-token activations), written on plain fp32 tensors: a candidate is scored with
+    one matmul, without building torchao's tensor subclass."""
+
+    def __init__(self, config):
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+        from torchao.quantization.granularity import PerGroup
+        from torchao.quantization.quant_primitives import MappingType
+
+        mapping = getattr(config, "weight_mapping_type", getattr(config, "mapping_type", None))
+        granularity = getattr(config, "weight_granularity", getattr(config, "granularity", None))
+        if config.weight_dtype != torch.int4 or mapping != MappingType.SYMMETRIC:
+            raise ValueError(f"the fast AWQ search quantizes symmetric int4 groups, not {config}")
+        self.group = granularity.group_size if isinstance(granularity, PerGroup) else None
+        self.activations_int8 = isinstance(config, Int8DynamicActivationIntxWeightConfig)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """w quantized to int4 groups and back, in place (w is a scratch tensor)."""
+        rows, columns = w.shape
+        groups = w.view(rows, -1, self.group or columns)
+        low, high = groups.aminmax(dim=-1, keepdim=True)
+        scale = torch.maximum(high, low.neg_()).div_(7.5).clamp_(min=torch.finfo(torch.float32).eps)
+        # times the reciprocal, as torchao's quantize_affine: a group's extreme lands on -7, not -8
+        return groups.mul_(1.0 / scale).round_().clamp_(-8, 7).mul_(scale).view(rows, columns)
+
+    def output(self, weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x / scale through the quantized weight * scale, transposed ([out, tokens]): a block of rows at a time,
+        each quantized in a scratch tensor the CPU's cache holds through the passes and the product that reads it."""
+        x = self.activations(x / scale).T.contiguous()
+        rows_at_once = max(1, BLOCK_BYTES // (4 * weight.shape[1]))
+        scratch = torch.empty(min(rows_at_once, weight.shape[0]), weight.shape[1])
+        out = torch.empty(weight.shape[0], x.shape[1])
+        for start in range(0, weight.shape[0], rows_at_once):
+            block = weight[start:start + rows_at_once]
+            w = self.weight(torch.mul(block, scale, out=scratch[:block.shape[0]]))
+            torch.mm(w, x, out=out[start:start + block.shape[0]])
+        return out
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the 8da4w kernels see it: int8 per token, asymmetric; unchanged for weight-only configs."""
+        if not self.activations_int8:
+            return x
+        low = x.amin(-1, keepdim=True).clamp(max=0)
+        high = x.amax(-1, keepdim=True).clamp(min=0)
+        scale = ((high - low) / 255).clamp(min=torch.finfo(torch.float32).eps)
+        zero = (-128 - torch.round(low / scale)).clamp(-128, 127)
+        return ((torch.round(x / scale) + zero).clamp(-128, 127) - zero) * scale
+
+
+def candidate_scale(mean_magnitude: torch.Tensor, index: int) -> torch.Tensor:
+    """torchao's candidate `index`: the mean magnitude to the power index / 20, normalised to a geometric mean of
+    its extremes of 1."""
+    scale = mean_magnitude.pow(index / AWQ_SCALE_CANDIDATES).clamp(min=1e-4)
+    return scale / (scale.max() * scale.min()).sqrt()
+
+
+@torch.no_grad()
+def search_scale(weight: torch.Tensor, inputs: InputStatistics, quantizer: CandidateQuantizer, plan: SearchPlan,
+                 after: nn.Linear | None = None) -> torch.Tensor:
+    """The candidate scale whose quantized linear group is closest, in mean squared error, to the float one on the
+    kept tokens; with `after` (down_proj for gate and up), on the MLP's output instead of the group's own."""
+    x = inputs.sample
+    weight = weight.float()
+
+    def output(y: torch.Tensor) -> torch.Tensor:
+        """The scored output of the group's output y [out, tokens]."""
+        if after is None:
+            return y
+        gate, up = y.T.chunk(2, dim=-1)
+        return after(torch.nn.functional.silu(gate) * up)
+
+    reference = output(weight @ x.T)  # the unscaled float output, once for every candidate
+    losses: dict[int, float] = {}
+
+    def loss(index: int) -> float:
+        if index not in losses:
+            scale = candidate_scale(inputs.mean_magnitude, index)
+            losses[index] = (output(quantizer.output(weight, scale, x)) - reference).pow(2).mean().item()
+        return losses[index]
+
+    best = min(range(0, AWQ_SCALE_CANDIDATES, plan.coarse_step), key=loss)
+    step = plan.coarse_step // 2
+    while step >= 1:
+        best = min((i for i in (best - step, best, best + step) if 0 <= i < AWQ_SCALE_CANDIDATES), key=loss)
+        step //= 2
+    return candidate_scale(inputs.mean_magnitude, best)
 
 
 def _entering_first_layer(module, windows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple]]:
@@ -96,12 +249,12 @@ def _entering_first_layer(module, windows: list[torch.Tensor]) -> tuple[list[tor
 
 
 @torch.no_grad()
-def apply_awq(module, weight_config, windows: list[torch.Tensor]) -> None:
+def apply_awq(module, weight_config, windows: list[torch.Tensor], plan: SearchPlan = FAST) -> None:
     """AWQ's scales folded into every decoder layer of a float module, from the calibration `windows`. The
     output layer (vocabulary-wide, its input the final norm's) is left to the scheme's qparams."""
     states, arguments = _entering_first_layer(module, windows)
     for layer in module.model.layers:
-        states = search_layer(layer, states, arguments, weight_config)
+        states = search_layer(layer, states, arguments, weight_config, plan)
 
 
 class AwqAsBuilt:
@@ -110,9 +263,10 @@ class AwqAsBuilt:
     and each float decoder layer has its scales searched and folded from the states entering it and passes on
     the states leaving it. Only one float decoder layer and the states are held: the scales are apply_awq's."""
 
-    def __init__(self, weight_config, windows: list[torch.Tensor]):
+    def __init__(self, weight_config, windows: list[torch.Tensor], plan: SearchPlan = FAST):
         self.weight_config = weight_config
         self.windows = windows
+        self.plan = plan
         self.states: list[torch.Tensor] | None = None
         self.arguments: list[tuple] = []
 
@@ -123,6 +277,6 @@ class AwqAsBuilt:
         elif any(unit is layer for layer in module.model.layers):
             if self.states is None:
                 raise ValueError("AWQ by unit needs the embedding filled before the first decoder layer")
-            self.states = search_layer(unit, self.states, self.arguments, self.weight_config)
+            self.states = search_layer(unit, self.states, self.arguments, self.weight_config, self.plan)
         elif unit is module.lm_head:
             self.states = None  # the last unit: the states are no longer needed

@@ -85,6 +85,50 @@ def test_gptq_on_fewer_tokens_than_its_hessians_are_wide_fails_the_comparison(ra
                                      _logits_error(random_llama, "minmax"))
 
 
+def _awq_mean_kl(random_llama, plan):
+    """Mean KL from fp32 of the 8da4w logits (HQQ qparams, as `awq` ends) after AWQ's scales searched with `plan`
+    (None: no scales)."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.awq import apply_awq
+    from quant.schemes import apply_scheme, search_config
+
+    config, state_dict, tokens, calibration = random_llama
+
+    def log_probs(module):
+        module.reset_cache()
+        with torch.no_grad():
+            return torch.log_softmax(module(tokens, torch.tensor([0])), dim=-1)
+
+    reference = log_probs(build_exportable(config, state_dict, ExportOptions(64, **FUSED)))
+    module = build_exportable(config, state_dict, ExportOptions(64, **FUSED))
+    if plan is not None:
+        apply_awq(module, search_config("8da4w"), list(calibration), plan)
+    apply_scheme(module, "8da4w", 32, "hqq")
+    return (reference.exp() * (reference - log_probs(module))).sum(-1).mean().item()
+
+
+def _assert_within_one_percent(kl, exhaustive_kl):
+    assert kl <= exhaustive_kl * 1.01, (kl, exhaustive_kl)
+
+
+def test_the_fast_awq_search_is_within_one_percent_of_the_exhaustive_ones_kl(random_llama):
+    """The default search (every 4th token, a coarse grid refined, gate and up on the MLP's output) against
+    torchao's AWQObserver scoring all 20 candidates on every token."""
+    from quant.awq import EXHAUSTIVE, FAST
+
+    _assert_within_one_percent(_awq_mean_kl(random_llama, FAST), _awq_mean_kl(random_llama, EXHAUSTIVE))
+
+
+def test_the_one_percent_check_fails_on_too_few_tokens(random_llama):
+    """Candidates scored on every 8th of the 60 calibration tokens pick scales the same check refuses: it tells
+    searches apart."""
+    from quant.awq import EXHAUSTIVE, SearchPlan
+
+    with pytest.raises(AssertionError):
+        _assert_within_one_percent(_awq_mean_kl(random_llama, SearchPlan(token_stride=8)),
+                                   _awq_mean_kl(random_llama, EXHAUSTIVE))
+
+
 def _pt2e_logits_error(random_llama, algorithm):
     """Relative squared error against fp32 of the qnn-16a4w PT2E simulation (QnnQuantizer's converted q/dq
     module), after the algorithm's float weight transform."""

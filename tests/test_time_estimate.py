@@ -57,3 +57,21 @@ def test_cells_that_record_the_algorithm_time_it_apart_and_the_others_say_so(tmp
     minmax = seconds("minmax")  # no cell ran it: the scheme's cells of every algorithm, and a note
     assert "no zoo cell records the minmax algorithm for 8da4w" in " ".join(minmax.notes)
     assert not seconds("awq").notes
+
+
+def test_a_search_no_cell_recorded_is_added_at_its_measured_rate(tmp_path):
+    """Cells that do not record their algorithm quantized without a search: AWQ's is added to its estimate."""
+    from zoo.time_estimate import SEARCH_S_PER_BILLION
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"cells": [cell(int(1e8), 30, None), cell(int(1e9), 60, None)]}))
+    recipe = get_recipe("xnnpack-8da4w")
+
+    def estimate(algorithm):
+        options = recipe_options_for([recipe], {"quant_algorithm": algorithm})
+        return estimate_time(int(2e9), [recipe], options, generate=False, path=results)
+
+    hqq, awq = estimate("hqq"), estimate("awq")
+    assert awq.recipes[0].seconds["other"] - hqq.recipes[0].seconds["other"] == pytest.approx(
+        2 * SEARCH_S_PER_BILLION["awq"])
+    assert "calibration search" in " ".join(awq.notes) and "calibration search" not in " ".join(hqq.notes)

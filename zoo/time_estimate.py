@@ -27,6 +27,9 @@ GROUPINGS = {
               ("backend", "export_only"), ("export_only",)),
 }
 MIN_SECONDS = 1.0  # a part measured as less (rounding, or parts summed past the total) counts as this
+# Seconds a calibration search adds per 1e9 parameters on a 2-core host, for algorithms no zoo cell recorded (the
+# cells' quantizing has no search in it): AWQ's at Llama-3.2-1B's shape, export-only (docs/quantization.md).
+SEARCH_S_PER_BILLION = {"awq": 28.0, "awq-gptq": 28.0}
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,13 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, pat
         algorithm = recipe_options.get("quant_algorithm")
         fits = {part: part_fit(part, recipe.backend.name, recipe.quantization, algorithm, not generate, path)
                 for part in PARTS}
-        per_recipe.append(RecipeTime(recipe.name, {part: fit.seconds(params) for part, fit in fits.items()}, fits))
-        notes += _notes(recipe, algorithm, recipe_options, fits)
+        seconds = {part: fit.seconds(params) for part, fit in fits.items()}
+        search_s = 0.0
+        if algorithm in SEARCH_S_PER_BILLION and "algorithm" not in _grouping_of(fits["other"]):
+            search_s = SEARCH_S_PER_BILLION[algorithm] * params / 1e9
+            seconds["other"] += search_s
+        per_recipe.append(RecipeTime(recipe.name, seconds, fits))
+        notes += _notes(recipe, algorithm, recipe_options, fits, search_s)
     used = [fit for r in per_recipe for fit in r.fits.values()]
     smallest, largest = min(f.smallest for f in used), max(f.largest for f in used)
     if not smallest <= params <= largest:
@@ -191,7 +199,7 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, pat
                    tuple(sorted({c for f in used for c in f.cores})), list(dict.fromkeys(notes)))
 
 
-def _notes(recipe, algorithm: str | None, options: dict, fits: dict) -> list[str]:
+def _notes(recipe, algorithm: str | None, options: dict, fits: dict, search_s: float = 0.0) -> list[str]:
     notes = []
     if not fits["lower"].group:
         notes.append(f"no zoo cell measured {recipe.backend.name}: {recipe.name} is timed from every backend's cells")
@@ -200,7 +208,9 @@ def _notes(recipe, algorithm: str | None, options: dict, fits: dict) -> list[str
                      f"from its backend's other recipes")
     if algorithm and "algorithm" not in _grouping_of(fits["other"]):
         notes.append(f"no zoo cell records the {algorithm} algorithm for {recipe.quantization}: its quantize time "
-                     "is that of the cells whose algorithm was not recorded")
+                     "is that of the cells whose algorithm was not recorded"
+                     + (f", plus {duration_label(search_s)} of {algorithm}'s calibration search at its measured rate"
+                        if search_s else ""))
     if options.get("mixed_precision_budget"):
         notes.append("no zoo cell measured a mixed-precision search, which adds minutes to quantizing")
     return notes

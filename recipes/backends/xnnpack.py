@@ -53,7 +53,7 @@ import importlib.metadata
 from contextlib import contextmanager
 from typing import Callable
 
-from recipes.lowering import share_preprocess_weights, swap_attribute
+from recipes.lowering import share_preprocess_weights, spill_named_data, swap_attribute
 from recipes.registry import Backend, recipe
 
 PATCHED = {"executorch": "1.5.1", "torchao": "0.18.0"}
@@ -303,6 +303,19 @@ def patched(reorder_partitions: bool = True):
             restore()
 
 
+@contextmanager
+def named_data_files(spill_dir, external_tag):
+    """XNNPACK's preprocessing puts every constant it packs (weights, scales) in ExecuTorch's named data store,
+    by key; the runtime looks the keys up in the .pte's data and in the .ptd's alike."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    restore = spill_named_data(XnnpackBackend, spill_dir, external_tag)
+    try:
+        yield
+    finally:
+        restore()
+
+
 def patch_targets() -> dict[str, object]:
     """What every patched attribute is right now (the torchao ops by their dispatcher table): equal before
     and after a block, and equal inside one that runs without the patches."""
@@ -353,6 +366,7 @@ BACKEND = Backend(
         "executorch.kernels.quantized",  # quantized_decomposed::embedding_byte / embedding_4bit
     ),
     lowering_context=patched,
+    named_data_context=named_data_files,
     # The edge program's constants and the packed delegate blobs, beside the quantized module; the copy of each
     # partition made for preprocessing shares the weights (patch 5 above).
     lowering_memory_ratio=1.0,

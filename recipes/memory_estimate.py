@@ -139,6 +139,13 @@ def _eval_tokens() -> list[int]:
     return [int(len(Path(text).read_text()) * EVAL_TOKENS_PER_CHAR) for text in (EVAL_TEXT, HELDOUT_TEXT)]
 
 
+def pte_bytes(config, recipe) -> int:
+    """The recipe's .pte (and .ptd) bytes for a model of this config."""
+    w = _weights(config)
+    pte_lin, pte_emb = recipe.pte_bytes or SCHEMES[recipe.quantization].pte_bytes
+    return int((w.linears + w.output) * pte_lin + w.embedding * pte_emb)
+
+
 def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
     s = LlamaShape.from_config(config)
     return 2 * s.n_layers * max_seq_len * s.n_kv_heads * s.head_dim * dtype_bytes

@@ -171,10 +171,13 @@ class Timings(Section):
 
 @dataclass
 class Pte(Section):
-    """pte: the program written beside the report."""
+    """pte: the program written beside the report, and the data file with its weights when it has one."""
     path: str | None = None
     bytes: int | None = None
     sha256: str | None = None
+    ptd_path: str | None = None
+    ptd_bytes: int | None = None
+    ptd_sha256: str | None = None
 
 
 @dataclass

@@ -396,6 +396,7 @@ class MemoryEstimate(Section):
     reference_weight_dtype: str | None = None
     eval_tokens: list[int] | None = None
     peak_stage: str | None = None
+    reference_layer_major: bool = False  # the fp32 reference scored one unit at a time, with no generation
 
 
 @dataclass

@@ -21,6 +21,7 @@ from recipes import fidelity, llm_runner, malloc_policy, memory_estimate, thread
 from recipes import generate as gen
 from recipes import profile as profiling
 from recipes.atomic_write import write_atomically
+from recipes.layer_major_reference import layer_major_scores
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
 from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend
@@ -105,6 +106,12 @@ def _reference(job: _Job) -> None:
     if weight_dtype != checkpoint.dtype:
         weight_dtype = None  # only weights stored in that dtype stay in it: a cast would round them
     engine = REFERENCE_ENGINES[reference_dtype]
+    if estimate is not None and estimate.reference_layer_major:
+        with job.stages.stage(f"{engine} reference logits on the evaluation texts, one layer at a time", job.shared,
+                              "reference_fidelity"):
+            scored = layer_major_scores(checkpoint.config, checkpoint.state_dict, eval_ids, request.max_seq_len)
+            job.eval_reference = fidelity.EvalReference(engine, *scored)
+        return
     with job.stages.stage(f"generating with the {engine} reference", job.shared, "reference_generation"):
         module = build_exportable(
             checkpoint.config, checkpoint.state_dict,

@@ -216,8 +216,13 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         pte = (w.linears + w.output) * pte_lin + w.embedding * pte_emb
         before = BASE_BYTES + kept + sum(v for k, v in kept_modules.items() if k != key)
         needed_later = key is not None and key in keys[index + 1:]
-        quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
         recipe_options = (options or {}).get(recipe.name, {})
+        quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
+        if quantizes_by_unit(recipe.quantization, recipe_options):
+            # the output layer is built right after the embedding (recipes/prepare.py): its float matrix sits
+            # beside the embedding alone, and the last decoder layer's beside the whole module
+            quantize = before + max(w.embedding * emb_b + w.output * 4 * QUANTIZE_TRANSIENT,
+                                    module + w.per_layer * 4 * QUANTIZE_TRANSIENT)
         if transforms_by_unit(recipe.quantization, recipe_options):
             # beside the module so far: one float decoder layer and the copies its transform's search holds
             copies = ALGORITHMS[recipe_algorithm(recipe.quantization, recipe_options)].unit_search_copies

@@ -71,7 +71,7 @@ class JobEstimate:
     eval_tokens: list[int] | None = None  # the fidelity texts' token counts it assumed; None without generation
     # Neither whole reference fits: the fp32 reference scores the texts one unit at a time from the checkpoint
     # (recipes/layer_major_reference.py) and makes no generation.
-    reference_layer_major: bool = False
+    reference_layer_major: bool | None = None
 
     @property
     def peak_stage(self) -> str:
@@ -265,7 +265,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     return JobEstimate(int(peak), sum(r.pte_bytes for r in per_recipe), int(checkpoint_bytes), reference_dtype,
                        stages, per_recipe,
                        reference_weight_dtype=(reference_weight_dtype or reference_dtype) if reference_dtype else None,
-                       eval_tokens=text_tokens or None, reference_layer_major=layer_major)
+                       eval_tokens=text_tokens or None, reference_layer_major=layer_major or None)
 
 
 def memory_budget() -> tuple[int, str]:

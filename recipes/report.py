@@ -175,9 +175,9 @@ class Pte(Section):
     path: str | None = None
     bytes: int | None = None
     sha256: str | None = None
-    ptd_path: str | None = None
-    ptd_bytes: int | None = None
-    ptd_sha256: str | None = None
+    ptd_path: str | None = optional()
+    ptd_bytes: int | None = optional()
+    ptd_sha256: str | None = optional()
 
 
 @dataclass
@@ -396,7 +396,7 @@ class MemoryEstimate(Section):
     reference_weight_dtype: str | None = None
     eval_tokens: list[int] | None = None
     peak_stage: str | None = None
-    reference_layer_major: bool = False  # the fp32 reference scored one unit at a time, with no generation
+    reference_layer_major: bool | None = optional()  # the fp32 reference scored one unit at a time, no generation
 
 
 @dataclass

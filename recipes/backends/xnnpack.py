@@ -367,11 +367,13 @@ BACKEND = Backend(
     ),
     lowering_context=patched,
     named_data_context=named_data_files,
-    # The edge program's constants and the packed delegate blobs, beside the quantized module; the copy of each
-    # partition made for preprocessing shares the weights (patch 5 above).
-    lowering_memory_ratio=1.0,
+    # Beside the quantized module: the edge program's constants and the packing of the partitions, whose packed
+    # weights go to files as each is packed (named_data_files); the copy of each partition made for
+    # preprocessing shares the weights (patch 5 above).
+    lowering_memory_ratio=0.55,
     lowering_memory_per_layer_bytes=17e6,
-    serialize_memory_ratio=1.25,
+    # The flatbuffer and what the lowered program still holds; the packed weights are copied from their files.
+    serialize_memory_ratio=0.4,
 )
 
 RECIPES = (

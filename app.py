@@ -540,7 +540,8 @@ def lower_page() -> dict:
                  **user_options(None, *values[len(grouped) + len(option_defaults):])})
 
     def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
-              group_size, options, export_only=False, layer_map=False, oauth_token: gr.OAuthToken | None = None,
+              group_size, options, export_only=False, layer_map=False, weights_file=False,
+              oauth_token: gr.OAuthToken | None = None,
               request: gr.Request = None, progress=gr.Progress()):
         session = request.session_hash if request is not None else None
         try:
@@ -553,6 +554,7 @@ def lower_page() -> dict:
                     prompt=prompt or "", max_new_tokens=int(max_new_tokens), max_seq_len=int(max_seq_len),
                     options={**(options or {}), **user_options(group_size)},
                     generate=not export_only, layer_map=bool(layer_map),
+                    weights_file=True if weights_file else None,  # unticked: the size decides
                 )
                 summary = run_job(run_request, session or job.name, lambda f, m: progress(f, desc=m))
         except UserFacingError as err:
@@ -618,6 +620,8 @@ def lower_page() -> dict:
                 group_size = gr.Number(32, label="Weight group size", precision=0, minimum=0)
                 export_only = gr.Checkbox(False, label="Lower only: write the .pte and its delegation report, "
                                                        "no sample generations or fidelity")
+                weights_file = gr.Checkbox(False, label="Weights in model.ptd beside model.pte (where the backend can; "
+                                                        "unticked: above 2 GiB of program)")
                 option_inputs = option_fields(option_defaults)
                 algorithm, budget, layer_map = quant_controls()
                 kv_cache, kv_window = kv_cache_controls()
@@ -661,7 +665,7 @@ def lower_page() -> dict:
     ).success(
         lower,
         [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
-         group_size, options_box, export_only, layer_map],
+         group_size, options_box, export_only, layer_map, weights_file],
         [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
          results, decision, decision_note],
         api_name="lower", show_progress_on=[status],

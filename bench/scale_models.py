@@ -4,7 +4,8 @@ safetensors shards (at most 2 GB each) + model.safetensors.index.json + config.j
     python -m bench.scale_models NAME DEST
 
 The config values are copied from each model's config.json on the Hugging Face Hub (meta-llama/
-Llama-3.2-1B-Instruct, meta-llama/Llama-3.2-3B-Instruct, TinyLlama/TinyLlama-1.1B-Chat-v1.0). Random weights
+Llama-3.2-1B-Instruct, meta-llama/Llama-3.2-3B-Instruct, meta-llama/Llama-3.1-8B-Instruct,
+TinyLlama/TinyLlama-1.1B-Chat-v1.0). Random weights
 time exactly as real ones here: every program Lowerbench and optimum make is the same sequence of kernels
 whatever the weights hold (no data-dependent control flow: no early exit, no sparsity, no expert routing),
 and greedy decoding runs a fixed number of steps because end of sequence is ignored.
@@ -33,6 +34,12 @@ CONFIGS = {
                      "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8},
     "llama-3.2-3b": {**_LLAMA_3_2_COMMON, "head_dim": 128, "hidden_size": 3072, "intermediate_size": 8192,
                      "num_attention_heads": 24, "num_hidden_layers": 28, "num_key_value_heads": 8},
+    "llama-3.1-8b": {
+        **_LLAMA_3_2_COMMON, "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
     "tinyllama-1.1b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
         "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,

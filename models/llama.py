@@ -508,12 +508,14 @@ def checkpoint_names(name: str) -> list[str]:
     return [name]
 
 
-def _units(module: LlamaForExport) -> list[tuple[str, nn.Module]]:
+def _units(module: LlamaForExport, output_first: bool = False) -> list[tuple[str, nn.Module]]:
     """The pieces the module is filled (and quantized) in, one after the other: embedding, each decoder
-    layer, final norm, output layer."""
+    layer, final norm, output layer; with output_first the output layer comes right after the embedding."""
     body = module.model
     layers = [(f"model.layers.{i}", layer) for i, layer in enumerate(body.layers)]
-    return [("model.embed_tokens", body.embed_tokens), *layers, ("model.norm", body.norm), ("lm_head", module.lm_head)]
+    output = [("lm_head", module.lm_head)]
+    return [("model.embed_tokens", body.embed_tokens), *(output if output_first else []), *layers,
+            ("model.norm", body.norm), *([] if output_first else output)]
 
 
 def _read(weights: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -523,13 +525,15 @@ def _read(weights: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) ->
 
 def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: ExportOptions,
                      transform_unit: Callable[[nn.Module, "LlamaForExport"], None] | None = None,
-                     tie_output: bool = False) -> LlamaForExport:
+                     tie_output: bool = False, output_first: bool = False) -> LlamaForExport:
     """A fresh module with the checkpoint's weights in options.dtype, filled one unit (embedding, decoder
     layer, norm, output layer) at a time: each tensor is read, cast and assigned, then `transform_unit(unit,
     module)` runs (a quantization, which replaces the unit's float weights; the module's buffers are filled,
     the units after this one are still on meta), so at most one unit is ever held in float beyond what the
     transform keeps. With tied embeddings lm_head gets its own copy, so embedding and output layer can be
-    quantized differently; `tie_output` shares the embedding instead (no transform)."""
+    quantized differently; `tie_output` shares the embedding instead (no transform). output_first: fill the output
+    layer right after the embedding, so a transform that shrinks it (a quantization) holds the vocabulary-wide
+    float matrix beside the embedding alone rather than beside every quantized decoder layer."""
     if options.attention == "custom":
         # Registers llama::update_cache / llama::custom_sdpa with torch.
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
@@ -552,7 +556,7 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
             f"checkpoint does not match the Llama layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     _fill_buffers(module, config, options)
-    for prefix, unit in _units(module):
+    for prefix, unit in _units(module, output_first):
         for local_name, meta in list(unit.named_parameters()):
             name = f"{prefix}.{local_name}"
             owner_name, _, attr = local_name.rpartition(".")

@@ -278,5 +278,5 @@ class AwqAsBuilt:
             if self.states is None:
                 raise ValueError("AWQ by unit needs the embedding filled before the first decoder layer")
             self.states = search_layer(unit, self.states, self.arguments, self.weight_config, self.plan)
-        elif unit is module.lm_head:
-            self.states = None  # the last unit: the states are no longer needed
+            if unit is module.model.layers[-1]:
+                self.states = None  # the states leaving the last layer are no longer needed

@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--layer-map", action="store_true",
                      help="also map each decoder layer's error against fp32 (SQNR, relative error): on the runtime "
                           "this costs a second export and lowering")
+    run.add_argument("--weights-file", action=argparse.BooleanOptionalAction, default=None,
+                     help="write the weights to model.ptd beside model.pte (backends that can: XNNPACK); "
+                          "default: above 2 GiB of program")
     run.add_argument("--etrecord", action="store_true",
                      help="also write etrecord.bin (ExecuTorch's ETRecord, for its Inspector and Model Explorer)")
     run.add_argument("--json", action="store_true",
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
         temperature=args.temperature, top_p=args.top_p, options=options, generate=not args.export_only,
-        profile=args.profile, etrecord=args.etrecord, layer_map=args.layer_map,
+        profile=args.profile, etrecord=args.etrecord, layer_map=args.layer_map, weights_file=args.weights_file,
     )
     try:
         with runtime_log_to(Path(args.out) / LOG_NAME):  # ExecuTorch's C++ log beside the reports, not on the terminal

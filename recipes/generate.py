@@ -12,7 +12,7 @@ import torch
 from models.errors import UserFacingError
 from models.prompting import prompt_token_ids, stop_token_ids
 from recipes import thread_policy
-from recipes.pte_program import delegate_ids
+from recipes.pte_program import data_file_of, delegate_ids
 from recipes.registry import backend_for_delegate
 from recipes.report import Generation
 
@@ -129,14 +129,16 @@ def _static_tokens_per_call(module: torch.nn.Module) -> int | None:
 
 
 def load_runtime_method(pte: Path | bytes, runtime_imports: tuple[str, ...] = ()):
-    """Loads the .pte's forward method on the ExecuTorch runtime. Ops outside delegates resolve at
-    load_method time, so the kernel libraries the recipe needs are imported first."""
+    """Loads the .pte's forward method on the ExecuTorch runtime, with the .ptd beside it when there is one. Ops
+    outside delegates resolve at load_method time, so the kernel libraries the recipe needs are imported first."""
     for name in runtime_imports:
         importlib.import_module(name)
     from executorch.runtime import Runtime
 
     runtime = Runtime.get()
-    program = runtime.load_program(pte if isinstance(pte, bytes) else str(pte))
+    ptd = data_file_of(pte)
+    program = runtime.load_program(pte if isinstance(pte, bytes) else str(pte),
+                                   data_path=str(ptd) if ptd is not None else None)
     try:
         method = program.load_method("forward")
     except RuntimeError as err:

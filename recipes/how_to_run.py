@@ -13,20 +13,28 @@ _APP_FORMATS = {
 }
 
 
+def has_data_file(report: Report) -> bool:
+    """The program's weights are in model.ptd beside model.pte."""
+    return bool(report.pte and report.pte.ptd_path)
+
+
 def how_to_run(report: Report, chat_template: str | None) -> list[str]:
     recipe = report.recipe
     metadata = report.llm_metadata.to_dict() if report.llm_metadata else {}
+    ptd = has_data_file(report)
     lines = ["## How to run", "",
              "The files: `model.pte` (the program, with the metadata methods ExecuTorch's LLM runners read: "
              + ", ".join(f"`{k}`={v}" for k, v in metadata.items())
-             + "), `tokenizer.json` (what the runners load), `tokenizer_config.json` (the chat template) and "
+             + "), " + ("`model.ptd` (its weights, ExecuTorch's data file: every runner needs it beside the program), "
+                        if ptd else "")
+             + "`tokenizer.json` (what the runners load), `tokenizer_config.json` (the chat template) and "
              "`report.json`.", ""]
     if report.runtime_note:
         lines += [f"Where it runs: {report.runtime_note}.", ""]
     if recipe.options.get("device_runner"):
         lines += [f"Device runner: {recipe.options['device_runner']}", ""]
     lines += _kv_cache(recipe, metadata)
-    lines += _python(recipe) + _llama_main() + _apps(chat_template) + _template(chat_template)
+    lines += _python(recipe, ptd) + _llama_main(ptd) + _apps(chat_template, ptd) + _template(chat_template)
     return lines
 
 
@@ -56,7 +64,7 @@ def _kv_cache(recipe: RecipeInfo, metadata: dict) -> list[str]:
     return lines + [""]
 
 
-def _python(recipe: RecipeInfo) -> list[str]:
+def _python(recipe: RecipeInfo, ptd: bool) -> list[str]:
     return ["### Python: ExecuTorch's TextLLMRunner (in the `executorch` wheel)", "", "```python",
             "import torch  # loads libtorch, which the runner links against",
             "from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  llama::custom_sdpa, update_cache",
@@ -64,7 +72,7 @@ def _python(recipe: RecipeInfo) -> list[str]:
             "from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner",
             "from transformers import AutoTokenizer",
             "",
-            'runner = TextLLMRunner("model.pte", "tokenizer.json")',
+            'runner = TextLLMRunner("model.pte", "tokenizer.json"' + (', data_path="model.ptd")' if ptd else ")"),
             "# The runner takes raw text: apply the chat template first (tokenizer_config.json holds it).",
             'prompt = AutoTokenizer.from_pretrained(".").apply_chat_template(',
             '    [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)',
@@ -76,31 +84,35 @@ def _python(recipe: RecipeInfo) -> list[str]:
             "host; its answer and statistics are under Sample generations (engine `executorch-llm-runner`).", ""]
 
 
-def _llama_main() -> list[str]:
+def _llama_main(ptd: bool) -> list[str]:
     return ["### C++: `llama_main`", "",
             "Build it as ExecuTorch's `examples/models/llama/README.md` says (v1.5.1), with the backend this program "
             "delegates to, then:", "", "```sh",
-            "cmake-out/examples/models/llama/llama_main --model_path=model.pte --tokenizer_path=tokenizer.json \\",
+            "cmake-out/examples/models/llama/llama_main --model_path=model.pte "
+            + ("--data_paths=model.ptd " if ptd else "") + "--tokenizer_path=tokenizer.json \\",
             '  --prompt="$(cat prompt.txt)" --temperature=0 --max_new_tokens=128 --warmup=1',
             "```", "",
             "`prompt.txt` is the prompt with the chat template below applied. `--num_bos` stays 0: the template "
             "writes any BOS itself.", ""]
 
 
-def _apps(chat_template: str | None) -> list[str]:
+def _apps(chat_template: str | None, ptd: bool) -> list[str]:
     android_type, ios_prefix = next(
         (formats for token, formats in _APP_FORMATS.items() if chat_template and token in chat_template),
         (None, None))
     lines = ["### Android: ExecuTorch's LlamaDemo app (meta-pytorch/executorch-examples, `llm/android/LlamaDemo`)", "",
              "```sh", "adb shell mkdir -p /data/local/tmp/llama",
-             "adb push model.pte /data/local/tmp/llama/", "adb push tokenizer.json /data/local/tmp/llama/", "```", "",
-             "In the app's settings pick `model.pte` as the model and `tokenizer.json` as the tokenizer. The app wraps "
+             "adb push model.pte /data/local/tmp/llama/",
+             *(["adb push model.ptd /data/local/tmp/llama/"] if ptd else []),
+             "adb push tokenizer.json /data/local/tmp/llama/", "```", "",
+             "In the app's settings pick `model.pte` as the model "
+             + ("(and `model.ptd` as its data file) " if ptd else "") + "and `tokenizer.json` as the tokenizer. The app wraps "
              "your text in the prompt format of the model type you choose: "
              + (f"choose `{android_type}`, whose format is this model's chat template." if android_type else
                 "no built-in type has this model's chat template, so edit the prompt templates in the settings to "
                 "the template below."), "",
              "### iOS / macOS: ExecuTorch's etLLM app (meta-pytorch/executorch-examples, `llm/apple`)", "",
-             "Copy `model.pte` and `tokenizer.json` into the app's folder (Finder or Files: On My iPhone > etLLM) and "
+             "Copy `model.pte`" + (", `model.ptd`" if ptd else "") + " and `tokenizer.json` into the app's folder (Finder or Files: On My iPhone > etLLM) and "
              "select them in the app. etLLM picks its prompt format from the `.pte`'s file name: "
              + (f"rename it to `{ios_prefix}-model.pte`, whose format is this model's chat template." if ios_prefix else
                 "none of its formats is this model's chat template, so its answers will be off until the app "

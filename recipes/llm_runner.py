@@ -14,6 +14,7 @@ from pathlib import Path
 from models.errors import UserFacingError
 from models.prompting import prompt_text, prompt_token_ids, stop_token_ids
 from recipes import thread_policy
+from recipes.pte_program import data_file_of
 from recipes.report import RunnerGeneration
 
 ENGINE_LLM_RUNNER = "executorch-llm-runner"
@@ -30,7 +31,7 @@ class RunnerFailed(UserFacingError):
 def generate_with_runner(pte: Path, tokenizer_json: Path, tokenizer, prompt: str, max_new_tokens: int,
                          temperature: float = 0.0, eos_token_ids=(), runtime_imports: tuple[str, ...] = ()
                          ) -> RunnerGeneration:
-    """The runner takes raw text, so the prompt goes in as the chat template's text with no BOS added
+    """The .ptd beside the .pte, when there is one, goes to the runner with it. The runner takes raw text, so the prompt goes in as the chat template's text with no BOS added
     (num_bos=0): the same token ids the step loop feeds. The runner stops on the .pte's get_eos_ids."""
     import torch  # noqa: F401  (loads libtorch, which the runner's extension links against)
 
@@ -38,9 +39,10 @@ def generate_with_runner(pte: Path, tokenizer_json: Path, tokenizer, prompt: str
         importlib.import_module(name)
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
+    ptd = data_file_of(pte)
     try:
         with _stdout_silenced():
-            runner = TextLLMRunner(str(pte), str(tokenizer_json))
+            runner = TextLLMRunner(str(pte), str(tokenizer_json), data_path=str(ptd) if ptd is not None else None)
     except RuntimeError as err:
         raise RunnerFailed(f"ExecuTorch's LLM runner could not load {Path(pte).name} with "
                            f"{Path(tokenizer_json).name}: {err}") from None

@@ -7,8 +7,10 @@ import gc
 import hashlib
 import io
 import logging
+import os
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -44,6 +46,10 @@ class LoweredProgram:
     pte_path: Path | None = None
     pte_bytes: int = 0
     pte_sha256: str = ""
+    # The delegates' weights, when they went to a data file beside the .pte (ExecuTorch's .ptd)
+    ptd_path: Path | None = None
+    ptd_bytes: int = 0
+    ptd_sha256: str = ""
 
     @property
     def pte(self) -> bytes:
@@ -222,6 +228,62 @@ def share_preprocess_weights(backend_details: type) -> Callable[[], None]:
                           classmethod(lambda cls, edge_program, compile_specs: copy_sharing_weights(edge_program)))
 
 
+def spill_to_files(output, spill_dir: Path, external_tag: str | None):
+    """A delegate's named data (ExecuTorch's NamedDataStoreOutput: the weights its runtime looks up by key) with
+    every in-memory buffer written to its own file in spill_dir and held as ExecuTorch's FileBackedData, which
+    the serializer copies from disk into the output file; the file goes when nothing holds it any more.
+    With external_tag, the data the .pte would carry goes to that tag's data file (`<tag>.ptd`) instead."""
+    from executorch.exir._serialize._cord import FileBackedData
+    from executorch.exir._serialize._named_data_store import NamedDataStoreOutput
+
+    buffers = []
+    for data in output.buffers:
+        if isinstance(data, (bytes, bytearray)):
+            fd, path = tempfile.mkstemp(dir=spill_dir, prefix=".named-data-", suffix=".bin")
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            data = FileBackedData(path, cleanup=True, sha256=hashlib.sha256(data).digest())
+        buffers.append(data)
+    pte_data, external = dict(output.pte_data), {tag: dict(entries) for tag, entries in output.external_data.items()}
+    if external_tag is not None and pte_data:
+        external.setdefault(external_tag, {}).update(pte_data)
+        pte_data = {}
+    return NamedDataStoreOutput(buffers, pte_data, external)
+
+
+def spill_named_data(backend_details: type, spill_dir: Path, external_tag: str | None) -> Callable[[], None]:
+    """`backend_details` (a BackendDetails class whose preprocess puts its weights in ExecuTorch's named data
+    store) hands each delegate's weights to files as soon as that delegate is packed (spill_to_files), so no
+    packed copy of the model waits in memory for the .pte to be written. Returns the undo."""
+    original = backend_details.preprocess
+
+    def preprocess(edge_program, compile_specs):
+        result = original(edge_program, compile_specs)
+        if result.data_store_output is not None:
+            result.data_store_output = spill_to_files(result.data_store_output, spill_dir, external_tag)
+        return result
+
+    return swap_attribute(backend_details, "preprocess", staticmethod(preprocess))
+
+
+def write_data_file(executorch_program, ptd_path: Path) -> tuple[int, str]:
+    """The program's one data file (its .ptd), written atomically: (size, sha256)."""
+    # ExecutorchProgramManager.write_tensor_data_to_file writes in place under its own names; its pieces are the
+    # same Cords, written here through write_atomically.
+    files = executorch_program._tensor_data or {}
+    if set(files) != {data_file_tag(ptd_path)}:
+        raise RuntimeError(f"expected one data file {data_file_tag(ptd_path)!r}, ExecuTorch made {sorted(files)}")
+    try:
+        return write_atomically(ptd_path, files[data_file_tag(ptd_path)].write_to_file)
+    except OSError as err:
+        raise OutputWriteError(err.errno, err.strerror, str(ptd_path)) from err
+
+
+def data_file_tag(ptd_path: Path) -> str:
+    """ExecuTorch names each data file after its tag: <tag>.ptd."""
+    return Path(ptd_path).stem
+
+
 def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = True) -> torch.export.ExportedProgram:
     """One program for prefill and decode: the token dimension is dynamic (1 .. max_seq_len, or the fewer tokens
     per call the module's options say: a longer prompt then goes in several calls).
@@ -246,6 +308,8 @@ def lower_to_pte(
     generate_etrecord: bool = False,
     pte_path: Path | None = None,
     consume_program: bool = False,
+    ptd_path: Path | None = None,
+    named_data_context: Callable[[Path, str | None], ContextManager] | None = None,
 ) -> LoweredProgram:
     """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
     and to_executorch and left before this returns. constant_methods: methods that return a constant
@@ -257,17 +321,29 @@ def lower_to_pte(
     LoweredProgram holds the bytes.
     consume_program: the caller will not use `program` again, so its weights are released once lowered
     (release_lowered_weights): a weight nothing else holds (the module it was exported from, say) is then not
-    in memory while the .pte is written. Not with an ETRecord, which serializes the partitions' programs."""
-    with lowering_context():
+    in memory while the .pte is written. Not with an ETRecord, which serializes the partitions' programs.
+    ptd_path: write the delegates' weights there, an ExecuTorch data file beside the .pte, instead of into it.
+    named_data_context: the backend's (Backend.named_data_context); with it and a pte_path, each delegate's
+    weights go to files in a scratch folder beside the .pte as soon as it is packed, and from there into the
+    .pte or the .ptd."""
+    if ptd_path is not None and (named_data_context is None or pte_path is None):
+        raise ValueError("a .ptd needs a backend that keeps its weights in ExecuTorch's named data, and a pte_path")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(lowering_context())
+        if named_data_context is not None and pte_path is not None:
+            Path(pte_path).parent.mkdir(parents=True, exist_ok=True)
+            spill_dir = stack.enter_context(tempfile.TemporaryDirectory(dir=Path(pte_path).parent, prefix=".named-data-"))
+            stack.enter_context(named_data_context(Path(spill_dir), data_file_tag(ptd_path) if ptd_path else None))
         try:
             return _lower(program, partitioners, transform_passes, compile_config, constant_methods,
-                          before_serialize, generate_etrecord, pte_path, consume_program and not generate_etrecord)
+                          before_serialize, generate_etrecord, pte_path, consume_program and not generate_etrecord,
+                          ptd_path)
         finally:
             _release_cached_programs()
 
 
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,
-           generate_etrecord, pte_path, release):
+           generate_etrecord, pte_path, release, ptd_path):
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 
     counter = _EdgeOpCounter()
@@ -314,6 +390,9 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
             size, digest = write_atomically(pte_path, executorch_program.write_to_file)
         except OSError as err:
             raise OutputWriteError(err.errno, err.strerror, str(pte_path)) from err
+    ptd = (None, 0, "")
+    if ptd_path is not None:
+        ptd = (Path(ptd_path), *write_data_file(executorch_program, ptd_path))
     etrecord = None
     if generate_etrecord:
         buffer = io.BytesIO()
@@ -323,7 +402,7 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     return LoweredProgram(
         pte, delegation, sum(counter.counts.values()), lower_s, serialize_s,
         round(lower_peak, 1), round(rss.peak_bytes() / rss.MB, 1), etrecord,
-        Path(pte_path) if pte_path is not None else None, size, digest,
+        Path(pte_path) if pte_path is not None else None, size, digest, *ptd,
     )
 
 
@@ -338,6 +417,7 @@ def lower_for_backend(program: torch.export.ExportedProgram, recipe, options: di
         transform_passes=backend.transform_passes(recipe.quantization, options) if backend.transform_passes else None,
         compile_config=backend.edge_compile_config() if backend.edge_compile_config else None,
         lowering_context=backend.lowering_context,
+        named_data_context=backend.named_data_context,
         **lowering,
     )
 

@@ -69,6 +69,9 @@ class JobEstimate:
     # the dtype the reference keeps its matrices in (models/compute_dtype.py); None without generation
     reference_weight_dtype: torch.dtype | None = None
     eval_tokens: list[int] | None = None  # the fidelity texts' token counts it assumed; None without generation
+    # Neither whole reference fits: the fp32 reference scores the texts one unit at a time from the checkpoint
+    # (recipes/layer_major_reference.py) and makes no generation.
+    reference_layer_major: bool | None = None
 
     @property
     def peak_stage(self) -> str:
@@ -139,6 +142,13 @@ def _eval_tokens() -> list[int]:
     return [int(len(Path(text).read_text()) * EVAL_TOKENS_PER_CHAR) for text in (EVAL_TEXT, HELDOUT_TEXT)]
 
 
+def pte_bytes(config, recipe) -> int:
+    """The recipe's .pte (and .ptd) bytes for a model of this config."""
+    w = _weights(config)
+    pte_lin, pte_emb = recipe.pte_bytes or SCHEMES[recipe.quantization].pte_bytes
+    return int((w.linears + w.output) * pte_lin + w.embedding * pte_emb)
+
+
 def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
     s = LlamaShape.from_config(config)
     return 2 * s.n_layers * max_seq_len * s.n_kv_heads * s.head_dim * dtype_bytes
@@ -169,13 +179,18 @@ def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
         fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options, eval_tokens)
         if fp32.peak_rss_bytes <= budget or stored == torch.float32:
             return fp32
-        return _estimate(config, recipes, max_seq_len, stored, options=options, eval_tokens=eval_tokens)
+        whole = _estimate(config, recipes, max_seq_len, stored, options=options, eval_tokens=eval_tokens)
+        if whole.peak_rss_bytes <= budget:
+            return whole
+        layer_major = _estimate(config, recipes, max_seq_len, torch.float32, options=options, eval_tokens=eval_tokens,
+                                layer_major=True)
+        return layer_major if layer_major.peak_rss_bytes < whole.peak_rss_bytes else whole
     return _estimate(config, recipes, max_seq_len, None, options=options)
 
 
 def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
               reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
-              eval_tokens: list[int] | None = None) -> JobEstimate:
+              eval_tokens: list[int] | None = None, layer_major: bool = False) -> JobEstimate:
     w = _weights(config)
     vocab = config.vocab_size
     stored_bytes = torch.finfo(checkpoint_dtype(config)).bits // 8
@@ -191,6 +206,8 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         ref_weights = w.linears * (torch.finfo(weight_dtype).bits // 8) + (w.embedding + (0 if w.tied else w.output)) * ref_bytes
         if weight_dtype != reference_dtype:
             ref_weights += w.per_layer * ref_bytes  # an fp32 scratch per weight shape of a decoder layer
+        if layer_major:
+            ref_weights = w.largest_unit * ref_bytes  # one unit in memory at a time
         # the reference attends with aten SDPA: its bool causal mask [max_seq_len, max_seq_len] beside the caches
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
                                + max_seq_len * max_seq_len + window_logits + eval_logits)
@@ -212,6 +229,11 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         before = BASE_BYTES + kept + sum(v for k, v in kept_modules.items() if k != key)
         needed_later = key is not None and key in keys[index + 1:]
         quantize = before + module + w.largest_unit * 4 * QUANTIZE_TRANSIENT
+        if quantizes_by_unit(recipe.quantization, recipe_options):
+            # the output layer is built right after the embedding (recipes/prepare.py): its float matrix sits
+            # beside the embedding alone, and the last decoder layer's beside the whole module
+            quantize = before + max(w.embedding * emb_b + w.output * 4 * QUANTIZE_TRANSIENT,
+                                    module + w.per_layer * 4 * QUANTIZE_TRANSIENT)
         if transforms_by_unit(recipe.quantization, recipe_options):
             # beside the module so far: one float decoder layer and the copies its transform's search holds
             copies = ALGORITHMS[recipe_algorithm(recipe.quantization, recipe_options)].unit_search_copies
@@ -256,7 +278,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     return JobEstimate(int(peak), sum(r.pte_bytes for r in per_recipe), int(checkpoint_bytes), reference_dtype,
                        stages, per_recipe,
                        reference_weight_dtype=(reference_weight_dtype or reference_dtype) if reference_dtype else None,
-                       eval_tokens=text_tokens or None)
+                       eval_tokens=text_tokens or None, reference_layer_major=layer_major or None)
 
 
 def memory_budget() -> tuple[int, str]:

@@ -68,7 +68,8 @@ def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max
         # the quantized units kept between AWQ's searches must not pin the blocks a search frees
         quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, max_seq_len,
                                   around_search=malloc_policy.reusing_large_blocks)
-        module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options, transform_unit=quantizer)
+        module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options, transform_unit=quantizer,
+                                  output_first=True)
         section, seconds = quantizer.section(module), quantizer.seconds
     else:
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from recipes import generate as gen
 from recipes.atomic_write import write_atomically
-from recipes.pte_program import read_program
+from recipes.pte_program import data_file_of, read_program
 from recipes.report import OpRow, PhaseProfile, Profile, ProfileFiles, ProfileLoad, Report
 
 ETDUMP_NAME = "model.etdump"  # the decode steps
@@ -142,7 +142,9 @@ def _traced_generation(pte_path: Path, tmp: Path, generate_once) -> tuple[dict, 
     from executorch.runtime import Runtime
 
     started = time.perf_counter()
-    program = Runtime.get().load_program(str(pte_path), enable_etdump=True)
+    ptd = data_file_of(pte_path)
+    program = Runtime.get().load_program(str(pte_path), enable_etdump=True,
+                                         data_path=str(ptd) if ptd is not None else None)
     program_load_ms = 1000 * (time.perf_counter() - started)
     step = gen.runtime_step((program, program.load_method("forward")))
     written: dict[str, Path] = {}

@@ -1,10 +1,15 @@
-"""A .pte's program table (execution plans, operators, delegate ids) read without its segments.
+"""A .pte's program table (execution plans, operators, delegate ids) read without its segments, and the data
+file (.ptd) that may sit beside it.
 
 The segments after the flatbuffer hold the delegates' payloads and the constants, nearly all of a .pte's bytes;
-what names an instruction or a delegate is in the flatbuffer before them, so only that part is read."""
+what names an instruction or a delegate is in the flatbuffer before them, so only that part is read. A program
+whose delegates keep their weights in ExecuTorch's named data may carry them in a .ptd instead: the runtime
+then needs both files."""
 from __future__ import annotations
 
 from pathlib import Path
+
+PTE_NAME, PTD_NAME = "model.pte", "model.ptd"
 
 # ExecuTorch's extended header sits in the file's first bytes (kNumHeadBytes in its extended_header.cpp).
 HEAD_BYTES = 64
@@ -28,3 +33,11 @@ def read_program(pte: Path | bytes):
 def delegate_ids(pte: Path | bytes) -> list[str]:
     """Backend ids of the delegates in a .pte."""
     return sorted({d.id for plan in read_program(pte).execution_plan for d in plan.delegates})
+
+
+def data_file_of(pte: Path | str | bytes) -> Path | None:
+    """The .ptd beside a .pte file (same name, .ptd), or None when it has none."""
+    if isinstance(pte, bytes):
+        return None
+    ptd = Path(pte).with_suffix(".ptd")
+    return ptd if ptd.is_file() else None

@@ -9,6 +9,7 @@ Hub" button and downloads, and callable from scripts:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import zipfile
@@ -16,12 +17,13 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from recipes.atomic_write import write_atomically
-from recipes.how_to_run import how_to_run
+from recipes.how_to_run import has_data_file, how_to_run
 from recipes.profile_view import model_card_lines
 from recipes.report import RecipeInfo, Report, load_report
 from recipes.tokenizer_files import TOKENIZER_FILES
 
 SHIPPED_FILES = ("model.pte", *TOKENIZER_FILES, "report.json")
+DATA_FILE = "model.ptd"  # shipped too when the report says the weights are there
 
 
 def model_card(report: Report, chat_template: str | None = None) -> str:
@@ -73,6 +75,8 @@ def model_card(report: Report, chat_template: str | None = None) -> str:
     lines += model_card_lines(report)
     if report.pte:
         lines += [f"`model.pte`: {report.pte.bytes} bytes, sha256 `{report.pte.sha256}`.", ""]
+        if has_data_file(report):
+            lines += [f"`{DATA_FILE}`: {report.pte.ptd_bytes} bytes, sha256 `{report.pte.ptd_sha256}`.", ""]
     lines += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in report.versions.items() if v), "",
               "`report.json` holds the full report (timings, per-op delegation table, generations)."]
     return "\n".join(lines) + "\n"
@@ -105,6 +109,7 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
     if missing:
         raise UserFacingError(f"{recipe_dir} has no {', '.join(missing)}; run the recipe first.")
     report = load_report(recipe_dir / "report.json")
+    shipped = shipped_files(recipe_dir, report)
     chat_template = folder_chat_template(recipe_dir)
     repo_id = repo_id.strip()
     if not repo_id:
@@ -117,8 +122,9 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         with tempfile.TemporaryDirectory() as staging:
             staging = Path(staging)
-            for name in SHIPPED_FILES:
-                shutil.copy(recipe_dir / name, staging / name)
+            for name in shipped:
+                # a hard link where the folder allows: a weights file is gigabytes
+                _link_or_copy(recipe_dir / name, staging / name)
             (staging / "README.md").write_text(model_card(report, chat_template))
             commit = api.upload_folder(
                 repo_id=repo_id, folder_path=staging, repo_type="model",
@@ -139,6 +145,22 @@ def push_to_hub(recipe_dir: str | Path, repo_id: str, token: str | None, private
         raise UserFacingError(f"cannot reach the Hub to push {repo_id} ({type(err).__name__}); check the "
                               "network and try again.") from None
     return commit.commit_url if hasattr(commit, "commit_url") else str(commit)
+
+
+def shipped_files(recipe_dir: Path, report: Report) -> tuple[str, ...]:
+    """SHIPPED_FILES, and the .ptd when the program's weights are in it (a UserFacingError when it is missing)."""
+    if not has_data_file(report):
+        return SHIPPED_FILES
+    if not (Path(recipe_dir) / DATA_FILE).is_file():
+        raise UserFacingError(f"{recipe_dir} has no {DATA_FILE}, which holds this program's weights; run the recipe again.")
+    return (*SHIPPED_FILES, DATA_FILE)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy(source, target)
 
 
 def folder_chat_template(recipe_dir: Path) -> str | None:
@@ -163,7 +185,9 @@ def zip_recipe_folder(recipe_dir: str | Path, zip_path: str | Path) -> Path:
         raise UserFacingError(f"{recipe_dir} has no {', '.join(missing)}; run the recipe first.")
     files = sorted(f for f in recipe_dir.iterdir()
                    if f.is_file() and f.suffix != ".zip" and not f.name.startswith(".") and f.name != "README.md")
-    card = model_card(load_report(recipe_dir / "report.json"), folder_chat_template(recipe_dir))
+    report = load_report(recipe_dir / "report.json")
+    shipped_files(recipe_dir, report)
+    card = model_card(report, folder_chat_template(recipe_dir))
 
     def write(stream) -> None:
         with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as archive:

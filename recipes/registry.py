@@ -9,6 +9,7 @@ import importlib
 import os
 import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, ContextManager
 
 from models.errors import UserFacingError
@@ -53,6 +54,10 @@ class Backend:
     transform_passes: Callable[[str, dict], list] | None = None
     # Entered around the lowering: e.g. its version-guarded dependency patches, restored on exit.
     lowering_context: Callable[[], ContextManager] = contextlib.nullcontext
+    # For a backend whose delegates keep their weights in ExecuTorch's named data store: (scratch folder, the
+    # .ptd's tag or None) -> a context, entered around the lowering, that spills each delegate's weights to files
+    # in that folder as it is packed, tagged for the .ptd when one is asked for. None: it can write no .ptd.
+    named_data_context: Callable[[Path, str | None], ContextManager] | None = None
     # What the report records about the compile target of these options (e.g. a SoC and its libraries).
     describe_options: Callable[[dict], dict] = _describes_nothing
     # Raises UserFacingError for recipe options it cannot take, before any weight is read.

@@ -198,10 +198,13 @@ class Timings(Section):
 
 @dataclass
 class Pte(Section):
-    """pte: the program written beside the report."""
+    """pte: the program written beside the report, and the data file with its weights when it has one."""
     path: str | None = None
     bytes: int | None = None
     sha256: str | None = None
+    ptd_path: str | None = optional()
+    ptd_bytes: int | None = optional()
+    ptd_sha256: str | None = optional()
 
 
 @dataclass
@@ -420,6 +423,7 @@ class MemoryEstimate(Section):
     reference_weight_dtype: str | None = None
     eval_tokens: list[int] | None = None
     peak_stage: str | None = None
+    reference_layer_major: bool | None = optional()  # the fp32 reference scored one unit at a time, no generation
 
 
 @dataclass

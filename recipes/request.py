@@ -42,6 +42,9 @@ class RunRequest:
     # fidelity.layers: each decoder layer's error against fp32; where the .pte runs here it costs a second
     # export and lowering (with the layer outputs tapped), so it is asked for.
     layer_map: bool = False
+    # The delegates' weights in model.ptd beside model.pte (ExecuTorch's data file) where the backend can write
+    # one: True always, False never, None above a size (recipes/run.py: writes_data_file).
+    weights_file: bool | None = None
 
 
 def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None, kv_cache=None,

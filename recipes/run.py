@@ -22,10 +22,12 @@ from recipes import fidelity, llm_runner, malloc_policy, memory_estimate, thread
 from recipes import generate as gen
 from recipes import profile as profiling
 from recipes.atomic_write import write_atomically
+from recipes.layer_major_reference import layer_major_scores
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
 from recipes.lowering import LoweredProgram, OutputWriteError, lower_for_backend
 from recipes.prepare import Prepared, prepare
+from recipes.pte_program import PTD_NAME, PTE_NAME
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
                             MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, TimeEstimate,
@@ -36,6 +38,9 @@ from recipes.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary
 from recipes.tokenizer_files import tokenizer_files
 from zoo.time_estimate import estimate_time, size_label
 
+# Above 2 GiB a single file passes a signed 32-bit size, which tools that take a file in one piece do not
+# (a java.nio MappedByteBuffer on Android, a byte[] read); the program stays small and the weights go apart.
+DATA_FILE_ABOVE_BYTES = 2**31
 # The eager reference runs in fp32 when it fits, else in the checkpoint's own dtype (memory_estimate.py).
 REFERENCE_ENGINES = dict(zip((torch.float32, torch.bfloat16, torch.float16), REFERENCE_ENGINE_NAMES))
 
@@ -120,6 +125,12 @@ def _reference(job: _Job) -> None:
     if weight_dtype != checkpoint.dtype:
         weight_dtype = None  # only weights stored in that dtype stay in it: a cast would round them
     engine = REFERENCE_ENGINES[reference_dtype]
+    if estimate is not None and estimate.reference_layer_major:
+        with job.stages.stage(f"{engine} reference logits on the evaluation texts, one layer at a time", job.shared,
+                              "reference_fidelity"):
+            scored = layer_major_scores(checkpoint.config, checkpoint.state_dict, eval_ids, request.max_seq_len)
+            job.eval_reference = fidelity.EvalReference(engine, *scored)
+        return
     with job.stages.stage(f"generating with the {engine} reference", job.shared, "reference_generation"):
         module = build_exportable(
             checkpoint.config, checkpoint.state_dict,
@@ -179,7 +190,9 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     for key in [key for key in job.prepared if key not in needed_later]:
         del job.prepared[key]
     if lowered is not None and report.errors:
-        lowered.pte_path.unlink(missing_ok=True)  # a recipe that failed later ships no .pte
+        for path in (lowered.pte_path, lowered.ptd_path):  # a recipe that failed later ships no .pte
+            if path is not None:
+                path.unlink(missing_ok=True)
     elif lowered is not None:
         _ship(job, recipe, lowered, recipe_dir, figures, report)
     with job.stages.stage(f"profiling {recipe.name}", figures, "profile"):
@@ -206,6 +219,7 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
     try:
         module, program, report.quantization = prepare(recipe, options, checkpoint, request.max_seq_len, job.prepared,
                                                        job.stages, figures)
+        ptd_path = recipe_dir / PTD_NAME if writes_data_file(recipe, request, checkpoint.config) else None
         stage = "lower"
         backend = recipe.backend
         with job.stages.stage(f"lowering to {backend.title} ({recipe.name})", figures, "lower"):
@@ -219,8 +233,8 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
                 job.prepared.pop(key, None)
                 module = None
             lowered = lower_for_backend(program, recipe, options, constant_methods=metadata,
-                                        generate_etrecord=request.etrecord, pte_path=recipe_dir / "model.pte",
-                                        consume_program=True)
+                                        generate_etrecord=request.etrecord, pte_path=recipe_dir / PTE_NAME,
+                                        ptd_path=ptd_path, consume_program=True)
         figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
         del program  # the lowered program is in the .pte now; what stays is the module, for eager runs
@@ -234,6 +248,14 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
         report.errors.append(StageError.of(stage, err))
     return module, lowered
+
+
+def writes_data_file(recipe: Recipe, request: RunRequest, config) -> bool:
+    """Whether the recipe's weights go to a .ptd beside its .pte: where its backend can write one, when asked, or
+    unasked when the program would pass DATA_FILE_ABOVE_BYTES."""
+    if recipe.backend.named_data_context is None or request.weights_file is False:
+        return False
+    return bool(request.weights_file) or memory_estimate.pte_bytes(config, recipe) > DATA_FILE_ABOVE_BYTES
 
 
 def _generate_and_measure(job: _Job, recipe: Recipe, module: torch.nn.Module, lowered: LoweredProgram | None,
@@ -288,13 +310,16 @@ def _ship(job: _Job, recipe: Recipe, lowered: LoweredProgram, recipe_dir: Path, 
     """A finished recipe's folder: the .pte's section, the tokenizer files, ExecuTorch's LLM runner on them where
     the .pte runs here, and the ETRecord when asked for."""
     report.pte = Pte(path=str(lowered.pte_path), bytes=lowered.pte_bytes, sha256=lowered.pte_sha256)
+    if lowered.ptd_path is not None:
+        report.pte.ptd_path, report.pte.ptd_bytes, report.pte.ptd_sha256 = (str(lowered.ptd_path), lowered.ptd_bytes,
+                                                                            lowered.ptd_sha256)
     for name, data in job.tokenizer_files.items():
         write_atomically(recipe_dir / name, data)
     if job.request.generate and recipe.backend.cannot_run_here() is None:
         with job.stages.stage(f"generating with ExecuTorch's LLM runner ({recipe.name})", figures, "runner_generate"):
             request, checkpoint = job.request, job.checkpoint
             generation, report.runner_note = llm_runner.runner_generation(
-                recipe_dir / "model.pte", recipe_dir / "tokenizer.json", checkpoint.tokenizer, request.prompt,
+                recipe_dir / PTE_NAME, recipe_dir / "tokenizer.json", checkpoint.tokenizer, request.prompt,
                 request.max_new_tokens, temperature=request.temperature, eos_token_ids=checkpoint.eos_token_ids,
                 runtime_imports=recipe.backend.runtime_imports)
         if generation is not None:  # before the step loop's, which stays for fidelity

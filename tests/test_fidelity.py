@@ -198,3 +198,25 @@ def test_builtin_xnnpack_8da4w_reports_its_target(builtin_8da4w_run):
     assert figures["perplexity_fp32"] < figures["perplexity"] < 3 * figures["perplexity_fp32"], figures
     assert figures["meets_target"] is (figures["perplexity_ratio"] <= 1.10)
     assert 0 < figures["top1_agreement_percent"] < 100 and figures["mean_kl"] > 0
+
+
+def test_layer_major_reference_gives_the_ordinary_references_logits(tiny_checkpoint):
+    """Scored one unit at a time from the checkpoint, the fp32 reference's logits on both texts (several windows
+    each) equal those of the whole fp32 module run window by window."""
+    import torch
+
+    from models.llama import ExportOptions, build_exportable
+    from recipes import fidelity
+    from recipes import generate as gen
+    from recipes.layer_major_reference import layer_major_scores
+
+    ckpt, max_seq_len = tiny_checkpoint, 32
+    texts = [fidelity.eval_token_ids(ckpt.tokenizer, text)[:150] for text in (fidelity.EVAL_TEXT, fidelity.HELDOUT_TEXT)]
+    assert all(len(ids) > 2 * max_seq_len for ids in texts)
+    module = build_exportable(ckpt.config, ckpt.state_dict, ExportOptions(max_seq_len, attention="sdpa",
+                                                                        dtype=torch.float32), tie_output=True)
+    ordinary = [fidelity.score_text(gen.eager_step(module), ids, max_seq_len) for ids in texts]
+    layer_major = layer_major_scores(ckpt.config, ckpt.state_dict, texts, max_seq_len)
+    for whole, by_layer in zip(ordinary, layer_major):
+        assert by_layer.ids == whole.ids and torch.equal(by_layer.targets, whole.targets)
+        torch.testing.assert_close(by_layer.logits, whole.logits, rtol=0, atol=1e-5)

@@ -244,7 +244,8 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
                          options={recipe.name: {"quant_algorithm": "hqq", "mixed_precision_budget": 0.1}})
     assert gptq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] > 4 * parameter_count(config)
     assert mixed.peak_rss_bytes > gptq.peak_rss_bytes > awq.peak_rss_bytes >= by_unit.peak_rss_bytes
-    assert awq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] < parameter_count(config)
+    # AWQ's search of a decoder layer holds its candidates beside the module; HQQ holds one float layer
+    assert awq.recipes[0].stages["quantize"] - by_unit.recipes[0].stages["quantize"] < 2 * parameter_count(config)
     assert gptq.recipes[0].stages["lower"] == by_unit.recipes[0].stages["lower"]
 
     monkeypatch.setenv(LIMIT_ENV, str((awq.peak_rss_bytes + gptq.peak_rss_bytes) / 2 / 1e9))

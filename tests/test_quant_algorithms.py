@@ -339,8 +339,9 @@ def test_awq_quantized_piece_by_piece_as_it_is_built_is_the_whole_float_modules_
     assert quantizes_by_unit("8da4w", options)
     export_options = get_recipe("xnnpack-8da4w").export_options(64)
     quantizer = UnitQuantizer("8da4w", options, tiny_checkpoint.tokenizer, 64)
+    # in the job's order: the output layer right after the embedding (recipes/prepare.py)
     by_unit = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, export_options,
-                               transform_unit=quantizer)
+                               transform_unit=quantizer, output_first=True)
     whole = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, export_options)
     section, seconds = quantize_module(whole, "8da4w", options, tiny_checkpoint.tokenizer, 64)
     assert quantizer.section(by_unit) == section and "Alice" in section["calibration"]["text"]

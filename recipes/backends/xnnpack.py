@@ -56,7 +56,7 @@ from typing import Callable
 from models.errors import UserFacingError
 from models.llama import KV_CACHE_DTYPES
 from quant.schemes import SCHEMES
-from recipes.lowering import share_preprocess_weights, swap_attribute
+from recipes.lowering import share_preprocess_weights, spill_named_data, swap_attribute
 from recipes.registry import Backend, recipe
 
 PATCHED = {"executorch": "1.5.1", "torchao": "0.18.0"}
@@ -306,6 +306,19 @@ def patched(reorder_partitions: bool = True):
             restore()
 
 
+@contextmanager
+def named_data_files(spill_dir, external_tag):
+    """XNNPACK's preprocessing puts every constant it packs (weights, scales) in ExecuTorch's named data store,
+    by key; the runtime looks the keys up in the .pte's data and in the .ptd's alike."""
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    restore = spill_named_data(XnnpackBackend, spill_dir, external_tag)
+    try:
+        yield
+    finally:
+        restore()
+
+
 def patch_targets() -> dict[str, object]:
     """What every patched attribute is right now (the torchao ops by their dispatcher table): equal before
     and after a block, and equal inside one that runs without the patches."""
@@ -397,11 +410,14 @@ BACKEND = Backend(
         "executorch.kernels.quantized",
     ),
     lowering_context=patched,
-    # The edge program's constants and the packed delegate blobs, beside the quantized module; the copy of each
-    # partition made for preprocessing shares the weights (patch 5 above).
-    lowering_memory_ratio=1.0,
+    named_data_context=named_data_files,
+    # Beside the quantized module: the edge program's constants and the packing of the partitions, whose packed
+    # weights go to files as each is packed (named_data_files); the copy of each partition made for
+    # preprocessing shares the weights (patch 5 above).
+    lowering_memory_ratio=0.55,
     lowering_memory_per_layer_bytes=17e6,
-    serialize_memory_ratio=1.25,
+    # The flatbuffer and what the lowered program still holds; the packed weights are copied from their files.
+    serialize_memory_ratio=0.4,
 )
 
 RECIPES = (

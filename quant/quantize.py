@@ -24,6 +24,8 @@ def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> No
     if why is None and record is not None:
         if spec.int4_config is None:
             why = f"{scheme} has no int4 group-wise weights"
+        elif spec.channelwise_int4 and record.gptq_integers:
+            why = f"{scheme} has one int4 scale per output channel; GPTQ here chooses its integers group by group"
         elif spec.quantize_exported is not None and record.pt2e_refusal:
             why = record.pt2e_refusal.format(scheme=scheme)
         elif spec.quantize_exported is not None and record.gptq_integers:

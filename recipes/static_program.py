@@ -12,6 +12,7 @@ from models import torch_export
 from models.static_llama import StaticLlama
 from recipes import static_runner
 
+PREFILL, DECODE = static_runner.PREFILL, static_runner.DECODE
 RUNNER_NAME = "run_static.py"
 RUNNER_NOTE = ("ExecuTorch's TextLLMRunner (C++, behind llama_main and the demo apps) cannot drive this program: "
                "it expects one `forward` method keeping its KV cache as state, while this one has `prefill` and "

@@ -371,4 +371,10 @@ RECIPES = (
     # with q/k/v as three linears, the form this recipe is checked in.
     recipe(BACKEND, "fp16", "XNNPACK, fp16 weights and activations",
            module_overrides={"attention": "sdpa", "fuse_qkv": False}),
+    # The Core ML Neural Engine recipes' static form (the same module, methods and IO) in fp32, which runs here:
+    # run_static.py drives it on the ExecuTorch runtime exactly as it drives theirs on Apple hardware.
+    recipe(BACKEND, "fp32", "XNNPACK twin of the static Neural Engine form: fp32, prefill and decode methods, caches "
+                            "as inputs and outputs, run by run_static.py", name="xnnpack-static-fp32",
+           options={"prefill_chunk": 32, "max_linear_outputs": 1024},
+           module_overrides={"attention": "sdpa-slice", "fuse_qkv": False, "norm": "hf"}, static_io=True),
 )

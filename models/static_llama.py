@@ -74,6 +74,11 @@ class StaticLlama(nn.Module):
         self.context = llama.options.max_seq_len
         if max_outputs:
             split_wide_linears(llama, max_outputs)
+        # Rope rows past the context, for the padding of a last chunk (their outputs are unused): the positions are
+        # then looked up as they are, with no clamp, which Core ML would compute in float.
+        for name in ("rope_cos", "rope_sin"):
+            table = getattr(llama, name)
+            self.register_buffer(name, torch.cat([table, torch.zeros_like(table)]), persistent=False)
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int]:
@@ -95,10 +100,9 @@ class StaticLlama(nn.Module):
     def forward(self, tokens, input_pos, mask, k_caches: list, v_caches: list):
         llama = self.llama
         seq_len = tokens.shape[1]
-        # Positions past the context (padding of a last chunk) read the last rope row: their outputs are unused.
-        positions = torch.clamp(input_pos + torch.arange(seq_len, dtype=torch.long), max=self.context - 1)
-        cos = llama.rope_cos.index_select(0, positions).view(1, seq_len, 1, llama.shape.head_dim)
-        sin = llama.rope_sin.index_select(0, positions).view(1, seq_len, 1, llama.shape.head_dim)
+        positions = input_pos + torch.arange(seq_len, dtype=torch.long)
+        cos = self.rope_cos.index_select(0, positions).view(1, seq_len, 1, llama.shape.head_dim)
+        sin = self.rope_sin.index_select(0, positions).view(1, seq_len, 1, llama.shape.head_dim)
         x = llama.model.embed_tokens(tokens)
         k_new, v_new = [], []
         for layer, k_cache, v_cache in zip(llama.model.layers, k_caches, v_caches):

@@ -191,6 +191,8 @@ def _8da8w(module: nn.Module, args: QuantArgs) -> None:
 
 
 def _c4w(module: nn.Module, args: QuantArgs) -> None:
+    # An algorithm's fp32 transform (AWQ's folded scales) may leave a piece in fp32.
+    module.to(torch.float16)
     quantize_embeddings(module, 8)
     quantize_linears_weight_only(module, 4, None, args.algorithm)
 

@@ -63,12 +63,9 @@ def main(argv=None) -> None:
             options = {"quant_algorithm": algorithm, **({"group_size": 32} if scheme == "int4-weight" else {})}
             started = time.perf_counter()
             quantizer = UnitQuantizer(scheme, options, checkpoint.tokenizer, MAX_SEQ_LEN)
-            module = build_exportable(checkpoint.config, checkpoint.state_dict,
-                                      ExportOptions(MAX_SEQ_LEN, attention="sdpa", dtype=torch.float16
-                                                    if scheme == "c4w" else torch.float32),
+            module = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(MAX_SEQ_LEN),
                                       transform_unit=quantizer)
-            if dtype != module.rope_cos.dtype:
-                module.to(dtype)  # c4w-fp32: the same int4 values, their scales upcast
+            module.to(dtype)  # c4w: quantized in fp32 and cast, as its recipe does (quant.quantize.cast_quantized)
             quantize_s = time.perf_counter() - started
             figures = score(module, texts)
             rows.append({"configuration": label, "scheme": scheme, "algorithm": algorithm,

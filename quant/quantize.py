@@ -97,6 +97,17 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     return section, seconds
 
 
+def cast_quantized(module, scheme: str):
+    """The quantized module in the scheme's final dtype (Scheme.cast_to): torchao's int tensors keep their integers
+    and cast their scales; the norms still compute in fp32."""
+    dtype = SCHEMES[scheme].cast_to
+    if dtype is None:
+        return module
+    module.to(dtype)
+    module.options = replace(module.options, dtype=dtype)
+    return module
+
+
 def quantizes_by_unit(scheme: str, options: dict) -> bool:
     """Whether the module can be quantized piece by piece as it is built (one piece in float at a time): each
     weight is quantized on its own, and the algorithm's fp32 transform, if any, has a by-unit form (AWQ searches

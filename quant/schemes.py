@@ -47,6 +47,9 @@ class Scheme:
     # int4 with one scale per output channel, not per group: GPTQ's integers are chosen group by group here
     # (quant/gptq.py), so the algorithms that choose integers are not offered.
     channelwise_int4: bool = False
+    # Built and quantized in module_dtype, then cast whole to this dtype (quant.quantize.cast_quantized): an
+    # algorithm's search (AWQ's) runs in fp32, which CPUs compute many times faster than fp16.
+    cast_to: torch.dtype | None = None
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -191,8 +194,6 @@ def _8da8w(module: nn.Module, args: QuantArgs) -> None:
 
 
 def _c4w(module: nn.Module, args: QuantArgs) -> None:
-    # An algorithm's fp32 transform (AWQ's folded scales) may leave a piece in fp32.
-    module.to(torch.float16)
     quantize_embeddings(module, 8)
     quantize_linears_weight_only(module, 4, None, args.algorithm)
 
@@ -231,7 +232,7 @@ SCHEMES: dict[str, Scheme] = {
         # The Neural Engine's int4: one scale per output channel (it takes no block-wise int4), fp16 otherwise.
         Scheme("c4w", "int4 weight-only linears, per output channel; 8-bit embeddings; fp16 activations", _c4w,
                int4_config=lambda group_size, qparams: config_weight_only(4, None, qparams),
-               module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), module_dtype=torch.float16, channelwise_int4=True),
+               module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), channelwise_int4=True, cast_to=torch.float16),
         Scheme("fp16", "fp16 weights, activations and K/V caches", _fp16, module_bytes=(2.0, 2.0),
                pte_bytes=(2.0, 2.0), module_dtype=torch.float16),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.

@@ -10,7 +10,7 @@ from models.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.llama import build_exportable
 from quant.calibration import calibration_inputs
-from quant.quantize import UnitQuantizer, quantize_module, quantizes_by_unit
+from quant.quantize import UnitQuantizer, cast_quantized, quantize_module, quantizes_by_unit
 from quant.schemes import SCHEMES
 from recipes import malloc_policy
 from recipes.lowering import export_program
@@ -85,7 +85,7 @@ def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max
         with malloc_policy.reusing_large_blocks():  # AWQ's and mixed precision's passes over the calibration text
             section, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer, max_seq_len)
     figures.timings.add_parts(seconds)
-    return module, Quantization.from_dict(section, strict=True)
+    return cast_quantized(module, recipe.quantization), Quantization.from_dict(section, strict=True)
 
 
 def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int):

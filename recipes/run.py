@@ -271,7 +271,7 @@ def _ship(job: _Job, recipe: Recipe, lowered: LoweredProgram, recipe_dir: Path, 
         write_atomically(recipe_dir / name, data)
     if recipe.static_io:
         write_atomically(recipe_dir / static_program.RUNNER_NAME, static_program.runner_source())
-        report.runner_note = static_program.RUNNER_NOTE
+        report.runner_note = static_program.runner_note(recipe.backend.cannot_run_here())
     elif job.request.generate and recipe.backend.cannot_run_here() is None:
         with job.stages.stage(f"generating with ExecuTorch's LLM runner ({recipe.name})", figures, "runner_generate"):
             request, checkpoint = job.request, job.checkpoint

@@ -18,6 +18,17 @@ RUNNER_NOTE = ("ExecuTorch's TextLLMRunner (C++, behind llama_main and the demo 
                "it expects one `forward` method keeping its KV cache as state, while this one has `prefill` and "
                "`decode` methods with the caches and masks as inputs and outputs; run_static.py in this folder "
                "drives it on the ExecuTorch runtime's Python API")
+
+
+def runner_note(cannot_run_here: str | None) -> str:
+    """The report's runner_note: why ExecuTorch's runner is absent, and, where the .pte cannot run here, that it
+    was lowered and inspected, not run."""
+    if cannot_run_here is None:
+        return RUNNER_NOTE
+    return (f"{RUNNER_NOTE}. This program was lowered and inspected here (delegation, shapes, metadata), not run: "
+            f"{cannot_run_here}")
+
+
 PROFILE_NOTE = "the per-op profile reads a `forward` method; this static program has `prefill` and `decode`"
 
 

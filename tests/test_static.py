@@ -110,3 +110,70 @@ def test_static_programs_have_no_symbolic_dimension(tiny_checkpoint):
                   and isinstance(n.meta.get("val"), torch.Tensor)]
         assert shapes and all(isinstance(d, int) for shape in shapes for d in shape), name
         assert not program.range_constraints, name
+
+
+@pytest.fixture(scope="module")
+def builtin_ane_c4w(tmp_path_factory):
+    """coreml-ane-c4w on the built-in model, export only (HQQ, the quick algorithm: the program is the same)."""
+    from recipes.request import RunRequest
+    from recipes.run import run
+
+    out = tmp_path_factory.mktemp("builtin-ane")
+    summary = run(RunRequest(recipes=["coreml-ane-c4w"], out_dir=out, max_seq_len=256, generate=False,
+                             options={"quant_algorithm": "hqq"}))
+    return out, summary.recipes[0]
+
+
+@pytest.mark.builtin
+def test_builtin_ane_c4w_has_both_static_methods_with_every_linear_in_core_ml(builtin_ane_c4w):
+    from executorch.runtime import Runtime
+
+    out, report = builtin_ane_c4w
+    assert not report.errors, report.errors
+    program = Runtime.get().load_program(str(out / "model.pte"))
+    assert {"prefill", "decode"} <= program.method_names
+    layers, kv_heads, head_dim = 30, 3, 64
+    for method, tokens in (("prefill", 32), ("decode", 1)):
+        meta = program.metadata(method)
+        sizes = [list(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
+        assert sizes[:3] == [[1, tokens], [1], [1, 1, tokens, 256 + tokens]]
+        assert sizes[3:] == [[1, kv_heads, 256, head_dim]] * (2 * layers)
+    metadata = report.llm_metadata
+    assert metadata.enable_dynamic_shape is False and metadata.get_prefill_len == 32
+    assert metadata.get_kv_cache_shape == [1, kv_heads, 256, head_dim] and metadata.get_kv_cache_fp16
+    ops = {o["op"]: o for o in report.delegation.ops}
+    # 7 linears a layer, gate and up split in two (1536 outputs), the output layer in 48 (49152): per method
+    linears = layers * 9 + 48
+    assert ops["aten_linear_default"]["delegated"] == 2 * linears and ops["aten_linear_default"]["non_delegated"] == 0
+    assert ops["aten_scaled_dot_product_attention_default"] == {
+        **ops["aten_scaled_dot_product_attention_default"], "delegated": 2 * layers, "non_delegated": 0}
+    for norm_op in ("aten_rsqrt_default", "aten_mean_dim"):
+        assert ops[norm_op]["non_delegated"] == 0 and ops[norm_op]["delegated"] == 2 * (2 * layers + 1)
+    assert {o["op"] for o in report.delegation.ops if o["non_delegated"]} <= {"getitem"}
+    assert report.recipe.options["compute_units"] == "cpu_and_ne"
+
+
+@pytest.fixture(scope="module")
+def builtin_static_twin(tmp_path_factory):
+    from recipes.request import RunRequest
+    from recipes.run import run
+
+    out = tmp_path_factory.mktemp("builtin-twin")
+    summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, max_seq_len=256, max_new_tokens=12))
+    return out, summary.recipes[0]
+
+
+@pytest.mark.builtin
+def test_builtin_twin_answers_paris_through_run_static(builtin_static_twin):
+    import subprocess
+    import sys
+
+    out, report = builtin_static_twin
+    assert not report.errors, report.errors
+    reference, runtime = report.generations[0], report.generations[-1]
+    assert runtime.engine == "executorch-runtime" and runtime.tokens == reference.tokens
+    assert "Paris" in runtime.text
+    answer = subprocess.run([sys.executable, str(out / "run_static.py"), "--max-new-tokens", "12"], cwd=out,
+                            capture_output=True, text=True, timeout=600)
+    assert answer.returncode == 0, answer.stderr[-2000:]
+    assert "Paris" in answer.stdout

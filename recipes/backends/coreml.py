@@ -98,6 +98,19 @@ def needs_apple_os() -> str | None:
     )
 
 
+NEURAL_ENGINE_NOTE = (
+    "CPU_AND_NE lets Core ML place ops on the Neural Engine, falling back to the CPU; which ops run where is Core "
+    "ML's decision on the device (Xcode's performance report or MLComputePlan show it), so it cannot be verified off "
+    "Apple hardware. The program is shaped for it: fixed shapes, fp16, int4 with one scale per output channel, "
+    "linears of at most 1024 outputs, no state between calls")
+
+
+def describe_options(options: dict) -> dict:
+    if options.get("compute_units") == "cpu_and_ne":
+        return {"neural_engine": NEURAL_ENGINE_NOTE}
+    return {}
+
+
 BACKEND = Backend(
     name="coreml",
     title="Core ML",
@@ -114,6 +127,7 @@ BACKEND = Backend(
     cannot_run_here=needs_apple_os,
     packages=("coremltools",),
     lowering_context=lowering_patches,
+    describe_options=describe_options,
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
     # one slice and the causal mask built by comparison.
     attention="sdpa-slice",

@@ -22,9 +22,10 @@ OPTIONS = {"quant_algorithm": "hqq"}
 
 
 def lower_once(recipe_name: str, methods: list[str], model: str | None, max_seq_len: int) -> dict:
-    from recipes.thread_policy import limit_openmp_default
+    from recipes.thread_policy import limit_openmp_default  # imports no torch; must run before torch is imported
 
     limit_openmp_default()
+    # the child's imports: after the OpenMP default, which must be set before torch is imported
     from models.checkpoint import load_checkpoint
     from models.llama import build_exportable
     from quant.quantize import UnitQuantizer, cast_quantized

@@ -73,6 +73,9 @@ class Backend:
     # (recipe options) -> how many decoder layers one compile holds at a time, for a backend that compiles the
     # decoder in shards (its ratio then counts the weights of the largest shard, not the whole .pte); None: all.
     layers_compiled_at_once: Callable[[dict], int | None] = lambda options: None
+    # A program of several methods (a static recipe's prefill and decode): what each method after the first adds to
+    # the lowering's working set above, as a fraction of it.
+    lowering_memory_per_method: float = 1.0
     pt2e_memory_ratio: float = 3.0
     # Serializing: the program's flatbuffer pieces and what the lowered program still holds, per byte of the .pte.
     serialize_memory_ratio: float = 2.1

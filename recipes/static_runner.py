@@ -52,6 +52,7 @@ class StaticSession:
         self.k = [torch.zeros(self.cache_shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(self.cache_shape, dtype=dtype) for _ in range(n_layers)]
         self.position = 0
+        self.stop_ids: tuple[int, ...] = ()  # the program's get_eos_ids, where it has them
 
     def reset(self) -> None:
         # Rows past the position are masked, so zeroing only keeps runs reproducible.

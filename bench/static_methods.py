@@ -17,8 +17,8 @@ from pathlib import Path
 from bench.channelwise import cpu_name
 from bench.measure import run_measured
 
-# hqq: no calibration search; the program, and so the lowering, is the same for every algorithm
-OPTIONS = {"quant_algorithm": "hqq"}
+# minmax: the quickest; the program, and so the lowering, is the same for every algorithm
+OPTIONS = {"quant_algorithm": "minmax"}
 
 
 def lower_once(recipe_name: str, methods: list[str], model: str | None, max_seq_len: int) -> dict:

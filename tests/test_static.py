@@ -114,13 +114,13 @@ def test_static_programs_have_no_symbolic_dimension(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def builtin_ane_c4w(tmp_path_factory):
-    """coreml-ane-c4w on the built-in model, export only (HQQ, the quick algorithm: the program is the same)."""
+    """coreml-ane-c4w on the built-in model, export only (minmax, the quickest algorithm: the program is the same)."""
     from recipes.request import RunRequest
     from recipes.run import run
 
     out = tmp_path_factory.mktemp("builtin-ane")
     summary = run(RunRequest(recipes=["coreml-ane-c4w"], out_dir=out, max_seq_len=256, generate=False,
-                             options={"quant_algorithm": "hqq"}))
+                             options={"quant_algorithm": "minmax"}))
     return out, summary.recipes[0]
 
 

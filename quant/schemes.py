@@ -57,7 +57,12 @@ class Scheme:
         if self.int4_config is None:
             return (PLAIN_ALGORITHM,)
         offered = offered_algorithms(pt2e=self.quantize_exported is not None)
-        return tuple(a for a in offered if not (self.channelwise_int4 and ALGORITHMS[a].gptq_integers))
+        if not self.channelwise_int4:
+            return offered
+        # minmax first: on a per-channel grid HQQ's scale fit (also AWQ's final qparams) measured worse than
+        # min/max scales on the built-in model (docs/quantization.md)
+        kept = tuple(a for a in offered if not ALGORITHMS[a].gptq_integers)
+        return (PLAIN_ALGORITHM, *(a for a in kept if a != PLAIN_ALGORITHM))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ def check_algorithm(scheme: str, algorithm: str, offered: tuple[str, ...]) -> No
     if why is None and record is not None:
         if spec.int4_config is None:
             why = f"{scheme} has no int4 group-wise weights"
+        elif spec.channelwise_int4 and record.gptq_integers:
+            why = f"{scheme} has one int4 scale per output channel; GPTQ here chooses its integers group by group"
         elif spec.quantize_exported is not None and record.pt2e_refusal:
             why = record.pt2e_refusal.format(scheme=scheme)
         elif spec.quantize_exported is not None and record.gptq_integers:
@@ -93,6 +95,17 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     if spec.quantize_exported is None:  # a PT2E scheme quantizes the exported program later
         section["weight_bytes_per_token"] = linear_weight_bytes(module)
     return section, seconds
+
+
+def cast_quantized(module, scheme: str):
+    """The quantized module in the scheme's final dtype (Scheme.cast_to): torchao's int tensors keep their integers
+    and cast their scales; the norms still compute in fp32."""
+    dtype = SCHEMES[scheme].cast_to
+    if dtype is None:
+        return module
+    module.to(dtype)
+    module.options = replace(module.options, dtype=dtype)
+    return module
 
 
 def quantizes_by_unit(scheme: str, options: dict) -> bool:

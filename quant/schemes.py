@@ -44,13 +44,25 @@ class Scheme:
     # The dtype the module is built in: its weights are read from the checkpoint straight into it, so a
     # half-precision scheme never holds an fp32 copy of the model.
     module_dtype: torch.dtype = torch.float32
+    # int4 with one scale per output channel, not per group: GPTQ's integers are chosen group by group here
+    # (quant/gptq.py), so the algorithms that choose integers are not offered.
+    channelwise_int4: bool = False
+    # Built and quantized in module_dtype, then cast whole to this dtype (quant.quantize.cast_quantized): an
+    # algorithm's search (AWQ's) runs in fp32, which CPUs compute many times faster than fp16.
+    cast_to: torch.dtype | None = None
 
     @property
     def algorithms(self) -> tuple[str, ...]:
         """The quant_algorithm choices (quant/algorithms.py), the default first."""
         if self.int4_config is None:
             return (PLAIN_ALGORITHM,)
-        return offered_algorithms(pt2e=self.quantize_exported is not None)
+        offered = offered_algorithms(pt2e=self.quantize_exported is not None)
+        if not self.channelwise_int4:
+            return offered
+        # minmax first: on a per-channel grid HQQ's scale fit (also AWQ's final qparams) measured worse than
+        # min/max scales on the built-in model (docs/quantization.md)
+        kept = tuple(a for a in offered if not ALGORITHMS[a].gptq_integers)
+        return (PLAIN_ALGORITHM, *(a for a in kept if a != PLAIN_ALGORITHM))
 
 
 @dataclass(frozen=True)
@@ -186,6 +198,11 @@ def _8da8w(module: nn.Module, args: QuantArgs) -> None:
     quantize_(module, config_8da8w(), filter_fn=_is_linear)
 
 
+def _c4w(module: nn.Module, args: QuantArgs) -> None:
+    quantize_embeddings(module, 8)
+    quantize_linears_weight_only(module, 4, None, args.algorithm)
+
+
 def _fp16(module: nn.Module, args: QuantArgs) -> None:
     # Built in fp16 already (module_dtype); the cast keeps a module or piece given in fp32 correct too.
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
@@ -217,6 +234,10 @@ SCHEMES: dict[str, Scheme] = {
                module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
                module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
+        # The Neural Engine's int4: one scale per output channel (it takes no block-wise int4), fp16 otherwise.
+        Scheme("c4w", "int4 weight-only linears, per output channel; 8-bit embeddings; fp16 activations", _c4w,
+               int4_config=lambda group_size, qparams: config_weight_only(4, None, qparams),
+               module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), channelwise_int4=True, cast_to=torch.float16),
         Scheme("fp16", "fp16 weights, activations and K/V caches", _fp16, module_bytes=(2.0, 2.0),
                pte_bytes=(2.0, 2.0), module_dtype=torch.float16),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.

@@ -43,6 +43,30 @@ def delegation_table(edge_graph_module, ops_before_partitioning: dict[str, int] 
     }
 
 
+def methods_delegation_table(graph_modules: dict, **recorded) -> dict:
+    """delegation_table of a program of several methods, each method's lowered edge graph in `graph_modules`: the
+    counts summed over the methods (the edge op counts before partitioning are already summed), their names
+    listed."""
+    tables = {name: delegation_table(gm, **recorded) for name, gm in graph_modules.items()}
+    if len(tables) == 1:
+        return next(iter(tables.values()))
+    merged = dict(next(iter(tables.values())))
+    for key in ("delegated_subgraphs", "delegated_nodes", "non_delegated_nodes"):
+        merged[key] = sum(t[key] for t in tables.values())
+    total = merged["delegated_nodes"] + merged["non_delegated_nodes"]
+    merged["delegated_percent"] = round(100.0 * merged["delegated_nodes"] / total, 1) if total else 0.0
+    rows: dict[str, dict] = {}
+    for table in tables.values():
+        for row in table["ops"]:
+            into = rows.setdefault(row["op"], {**row, "delegated": 0, "non_delegated": 0, "why_not_delegated": []})
+            into["delegated"] += row["delegated"]
+            into["non_delegated"] += row["non_delegated"]
+            into["why_not_delegated"] += [r for r in row["why_not_delegated"] if r not in into["why_not_delegated"]]
+    merged["ops"] = sorted(rows.values(), key=lambda o: (-o["non_delegated"], o["op"]))
+    merged["methods"] = list(tables)
+    return merged
+
+
 def _normalized(text: str) -> str:
     return "_" + re.sub(r"[^a-z0-9]+", "_", text.lower()) + "_"
 

@@ -33,6 +33,8 @@ def how_to_run(report: Report, chat_template: str | None) -> list[str]:
         lines += [f"Where it runs: {report.runtime_note}.", ""]
     if recipe.options.get("device_runner"):
         lines += [f"Device runner: {recipe.options['device_runner']}", ""]
+    if metadata.get("get_prefill_len"):
+        return lines + _static(report) + _template(chat_template)
     lines += _kv_cache(recipe, metadata)
     lines += _python(recipe, ptd) + _llama_main(ptd) + _apps(chat_template, ptd) + _template(chat_template)
     return lines
@@ -62,6 +64,33 @@ def _kv_cache(recipe: RecipeInfo, metadata: dict) -> list[str]:
                          "that takes fewer tokens per call than its context as a sliding window and does not stop a "
                          f"conversation at {context} positions, so reset() the runner before a chat reaches them.")
     return lines + [""]
+
+
+def _static(report: Report) -> list[str]:
+    """A static-shape program (recipes/static_program.py): run_static.py drives it; ExecuTorch's runners cannot."""
+    metadata = report.llm_metadata
+    ran_here = any(g.engine == "executorch-runtime" for g in report.generations)
+    return ["### Python: `run_static.py` (in this folder)", "",
+            f"This program has fixed shapes: a `prefill` method taking {metadata.get_prefill_len} tokens per call and "
+            f"a `decode` method taking 1, which share their weights; the K/V caches "
+            f"({metadata.get_kv_cache_shape} per layer, {'fp16' if metadata.get_kv_cache_fp16 else 'fp32'}) and the "
+            "attention masks are inputs and outputs, held by the caller. `run_static.py` holds them, prefills the "
+            "chat-templated prompt chunk by chunk, decodes until a stop id and prints the answer, with ExecuTorch's "
+            "Python runtime:", "", "```sh",
+            "pip install executorch transformers",
+            'python run_static.py --prompt "What is the capital of France?" --max-new-tokens 128', "```", "",
+            ("Lowerbench ran `run_static.py`'s loop on this very file here (engine `executorch-runtime` under Sample "
+             "generations)." if ran_here else
+             "Lowerbench could not run this file here (see Where it runs); the generation and fidelity shown are the "
+             "same static module in PyTorch, driven by `run_static.py`'s own loop (engine "
+             f"`{report.generations[-1].engine if report.generations else 'eager-quantized'}`)."), "",
+            "### C++ runners and the demo apps", "",
+            "ExecuTorch's `TextLLMRunner` (behind `llama_main` and the Android and iOS demo apps) cannot drive this "
+            "program: it expects one `forward` method that keeps its KV cache as state. ExecuTorch's own static-attention "
+            "example (`examples/apple/coreml/llama/run_static_llm.py`) expects its own export's layout instead (a "
+            "`forward` method taking rope tables and masks as its `StaticAttentionIOManager` builds them, and the "
+            "model's `params.json`), so it does not drive this file either; on a device, port `run_static.py`'s "
+            "loop.", ""]
 
 
 def _python(recipe: RecipeInfo, ptd: bool) -> list[str]:

@@ -24,7 +24,7 @@ from models import torch_export
 from recipes import malloc_policy
 from recipes import rss
 from recipes.atomic_write import write_atomically
-from recipes.delegation import delegation_table
+from recipes.delegation import methods_delegation_table
 
 
 class OutputWriteError(OSError):
@@ -71,7 +71,8 @@ class _EdgeOpCounter:
     def __call__(self, graph_module):
         from torch.fx.passes.infra.pass_base import PassResult
 
-        self.counts = Counter(op_type(n.name) for n in graph_module.graph.nodes if n.op == "call_function")
+        # summed over the methods of a program of several (the pass runs on each)
+        self.counts += Counter(op_type(n.name) for n in graph_module.graph.nodes if n.op == "call_function")
         return PassResult(graph_module, False)
 
 
@@ -202,13 +203,14 @@ def release_weights(program: torch.export.ExportedProgram) -> None:
                                         if isinstance(value, torch.nn.Parameter) else stand_in)
 
 
-def release_lowered_weights(program: torch.export.ExportedProgram, edge) -> None:
+def release_lowered_weights(program: torch.export.ExportedProgram | dict, edge) -> None:
     """After lowering, before serializing: the program lowered and each delegated partition's source program
     give up their weights. The backends' payloads hold the weights now, and serializing reads only the
     partitions' graphs (ExecuTorch's emitter takes their debug handles and output counts)."""
     from executorch.exir.lowered_backend_module import get_lowered_submodules
 
-    release_weights(program)
+    for each in (program.values() if isinstance(program, dict) else [program]):
+        release_weights(each)
     for method in edge.methods:
         for _, lowered, _ in get_lowered_submodules(edge.exported_program(method).graph_module):
             release_weights(lowered.original_module)
@@ -298,7 +300,7 @@ def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = Tru
 
 
 def lower_to_pte(
-    program: torch.export.ExportedProgram,
+    program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram],
     partitioners: list,
     transform_passes: list | None = None,
     compile_config=None,
@@ -311,7 +313,9 @@ def lower_to_pte(
     ptd_path: Path | None = None,
     named_data_context: Callable[[Path, str | None], ContextManager] | None = None,
 ) -> LoweredProgram:
-    """lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
+    """program: one ExportedProgram (the .pte's `forward`), or {method name: ExportedProgram} for a .pte of
+    several methods (a static recipe's prefill and decode), lowered together so a backend may share their weights.
+    lowering_context: the backend's (Backend.lowering_context), entered around to_edge_transform_and_lower
     and to_executorch and left before this returns. constant_methods: methods that return a constant
     (recipes.llm_metadata), kept in the .pte. before_serialize: called with the lowered EdgeProgramManager
     before to_executorch (e.g. ExecuTorch's strip_taps_ for a program with intermediate-output taps).
@@ -364,13 +368,12 @@ def _lower(program, partitioners, transform_passes, compile_config, constant_met
     finally:
         for partitioner in partitioners:
             partitioner.__dict__.pop("ops_to_not_decompose", None)
-    lowered_gm = edge.exported_program().graph_module
     lower_s = time.perf_counter() - start
     lower_peak = rss.peak_bytes() / rss.MB
-    # Read before to_executorch, which rewrites the same graph (alloc nodes, out variants) in place.
-    delegation = delegation_table(lowered_gm, ops_before_partitioning=dict(counter.counts),
-                                  preserved_ops=preserved, partitioner_reasons=reasons)
-    del lowered_gm
+    # Read before to_executorch, which rewrites the same graphs (alloc nodes, out variants) in place.
+    delegation = methods_delegation_table({name: edge.exported_program(name).graph_module for name in sorted(edge.methods)},
+                                          ops_before_partitioning=dict(counter.counts), preserved_ops=preserved,
+                                          partitioner_reasons=reasons)
     if before_serialize is not None:
         before_serialize(edge)
     if release:

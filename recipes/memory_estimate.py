@@ -111,7 +111,13 @@ def _lowering_bytes(recipe, w: _Weights, pte: float, pte_lin: float, options: di
         layers = backend.layers_compiled_at_once(options)
         compiled = pte if layers is None else (min(layers, w.layers) * w.per_layer + w.output) * pte_lin
         working = compiled * (recipe.lowering_memory_ratio or backend.lowering_memory_ratio)
+    working *= 1 + backend.lowering_memory_per_method * (_methods(recipe) - 1)
     return backend.lowering_memory_base_bytes + working + backend.lowering_memory_per_layer_bytes * w.layers
+
+
+def _methods(recipe) -> int:
+    """Programs the recipe exports and lowers together: a static recipe's prefill and decode, else one."""
+    return 2 if recipe.static_io else 1
 
 
 def _weights(config) -> _Weights:
@@ -251,7 +257,8 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
             quantize = before + module * recipe.backend.pt2e_memory_ratio
         run = {
             "quantize": quantize,
-            "export": before + module * (1 + (STRICT_EXPORT_RATIO if recipe.backend.strict_export else EXPORT_RATIO)),
+            "export": before + module * (1 + _methods(recipe) * (STRICT_EXPORT_RATIO if recipe.backend.strict_export
+                                                                  else EXPORT_RATIO)),
             "lower": before + module + _lowering_bytes(recipe, w, pte, pte_lin, recipe_options),
             # export-only lets go of the module once lowered (recipes/lowering.py: release_lowered_weights)
             "serialize": (before + (module if reference_dtype is not None or needed_later else 0)

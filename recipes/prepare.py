@@ -10,11 +10,12 @@ from models.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.llama import build_exportable
 from quant.calibration import calibration_inputs
-from quant.quantize import UnitQuantizer, quantize_module, quantizes_by_unit
+from quant.quantize import UnitQuantizer, cast_quantized, quantize_module, quantizes_by_unit
 from quant.schemes import SCHEMES
 from recipes import malloc_policy
 from recipes.lowering import export_program
 from recipes.registry import Recipe
+from recipes.static_program import export_methods, static_form
 from recipes.report import Pt2eCalibration, Quantization
 from recipes.request import preparation_key
 from recipes.stages import Figures, Stages
@@ -40,13 +41,15 @@ def prepare(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: 
         shared = prepared[key]
         figures.timings.shared_quantization_with = shared.made_by
         with stages.stage(f"exporting for {recipe.name}", figures, "export"):
-            program = export_program(shared.module, max_seq_len, strict=recipe.backend.strict_export)
+            program = _export(recipe, shared.module, options, max_seq_len)
         return shared.module, program, shared.quantization
     with stages.stage(f"quantizing ({recipe.quantization}) for {recipe.name}, reading its weights", figures,
                       "quantize"):
         module, quantization = _quantized_module(recipe, options, checkpoint, max_seq_len, figures)
+        if recipe.static_io:
+            module = static_form(module, options)
     with stages.stage(f"exporting for {recipe.name}", figures, "export"):
-        program = export_program(module, max_seq_len, strict=recipe.backend.strict_export)
+        program = _export(recipe, module, options, max_seq_len)
     if scheme.quantize_exported is not None:
         with stages.stage(f"calibrating and converting ({recipe.quantization}) for {recipe.name}", figures,
                           "quantize"):
@@ -57,6 +60,13 @@ def prepare(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: 
     else:
         prepared[key] = Prepared(module, recipe.name, quantization)
     return module, program, quantization
+
+
+def _export(recipe: Recipe, module: torch.nn.Module, options: dict, max_seq_len: int):
+    """The recipe's program: one with a dynamic token dimension, or a static recipe's {prefill, decode}."""
+    if recipe.static_io:
+        return export_methods(module, int(options["prefill_chunk"]), strict=recipe.backend.strict_export)
+    return export_program(module, max_seq_len, strict=recipe.backend.strict_export)
 
 
 def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: int, figures: Figures
@@ -76,7 +86,7 @@ def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max
         with malloc_policy.reusing_large_blocks():  # AWQ's and mixed precision's passes over the calibration text
             section, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer, max_seq_len)
     figures.timings.add_parts(seconds)
-    return module, Quantization.from_dict(section, strict=True)
+    return cast_quantized(module, recipe.quantization), Quantization.from_dict(section, strict=True)
 
 
 def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int):

@@ -82,6 +82,9 @@ class Backend:
     # (recipe options) -> how many decoder layers one compile holds at a time, for a backend that compiles the
     # decoder in shards (its ratio then counts the weights of the largest shard, not the whole .pte); None: all.
     layers_compiled_at_once: Callable[[dict], int | None] = lambda options: None
+    # A program of several methods (a static recipe's prefill and decode): what each method after the first adds to
+    # the lowering's working set above, as a fraction of it.
+    lowering_memory_per_method: float = 1.0
     pt2e_memory_ratio: float = 3.0
     # Serializing: the program's flatbuffer pieces and what the lowered program still holds, per byte of the .pte.
     serialize_memory_ratio: float = 2.1
@@ -102,6 +105,10 @@ class Recipe:
     # Where this recipe's lowering differs from the backend's `lowering_memory_ratio` (same units).
     lowering_memory_ratio: float | None = None
     default: bool = False  # ticked when the app opens
+    # Static shapes, caches and masks as inputs and outputs (models/static_llama.py): the .pte has `prefill` and
+    # `decode` methods (recipes/static_program.py) and ships run_static.py; its options give prefill_chunk and
+    # max_linear_outputs.
+    static_io: bool = False
 
     def export_options(self, max_seq_len: int, options: dict | None = None) -> ExportOptions:
         """The module form for these recipe options (recipes/run.py: recipe_options; None: the defaults)."""

@@ -219,6 +219,12 @@ class LlmMetadata(Section):
     enable_dynamic_shape: bool | None = None
     get_bos_id: int | None = optional()
     get_eos_ids: list[int] | None = optional()
+    # A static-shape program's, for run_static.py (recipes/static_program.py): tokens per prefill and decode call,
+    # each cache's shape [1, kv heads, context, head_dim], and whether caches and masks are fp16.
+    get_prefill_len: int | None = optional()
+    get_decode_len: int | None = optional()
+    get_kv_cache_shape: list[int] | None = optional()
+    get_kv_cache_fp16: bool | None = optional()
 
 
 @dataclass
@@ -234,6 +240,8 @@ class Delegation(Section):
     edge_nodes_before_partitioning: int | None = None
     preserved_ops: dict[str, list[str]] = field(default_factory=dict)  # partitioner -> ops kept from decomposition
     why_not_delegated_source: str | None = None
+    # A program of several methods (a static recipe's prefill and decode): their names; the counts are their sums.
+    methods: list[str] | None = optional()
 
 
 @dataclass

@@ -83,7 +83,8 @@ def preparation_key(recipe: Recipe, options: dict, max_seq_len: int) -> tuple:
     on the group size only, so backends that differ in other options (SoC, compute units) still share one
     quantization. PT2E quantizers depend on every option: their modules are never shared."""
     return (recipe.quantization, options.get("group_size"), options.get("quant_algorithm"),
-            options.get("mixed_precision_budget"), recipe.export_options(max_seq_len, options))
+            options.get("mixed_precision_budget"), recipe.export_options(max_seq_len, options), recipe.static_io,
+            options.get("max_linear_outputs"))
 
 
 def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:

@@ -20,6 +20,7 @@ from quant.layer_error import eager_layer_outputs
 from quant.schemes import check_group_size_fits
 from recipes import fidelity, llm_runner, malloc_policy, memory_estimate, thread_policy
 from recipes import generate as gen
+from recipes import static_program
 from recipes import profile as profiling
 from recipes.atomic_write import write_atomically
 from recipes.layer_major_reference import layer_major_scores
@@ -196,9 +197,12 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     elif lowered is not None:
         _ship(job, recipe, lowered, recipe_dir, figures, report)
     with job.stages.stage(f"profiling {recipe.name}", figures, "profile"):
-        report.profile, report.profile_note = profiling.recipe_profile(
-            report, recipe_dir, recipe.backend.runtime_imports, lambda step: _generate(step, gen.ENGINE_RUNTIME, job),
-            enabled=request.profile)
+        if recipe.static_io and request.profile:
+            report.profile_note = static_program.PROFILE_NOTE
+        else:
+            report.profile, report.profile_note = profiling.recipe_profile(
+                report, recipe_dir, recipe.backend.runtime_imports,
+                lambda step: _generate(step, gen.ENGINE_RUNTIME, job), enabled=request.profile)
     figures.timings.peak_rss_mb = peak_rss_mb(figures.peaks)
     figures.timings.total = round(job.shared_s + time.perf_counter() - started, 1)
     figures.timings.estimate = job.time_estimates.get(recipe.name)
@@ -224,8 +228,11 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
         backend = recipe.backend
         with job.stages.stage(f"lowering to {backend.title} ({recipe.name})", figures, "lower"):
             report.recipe.options = {**options, **backend.describe_options(options)}
-            metadata = llm_metadata(program, request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
+            metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
+                                    request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                     stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))
+            if recipe.static_io:
+                metadata.update(static_program.static_metadata(module, int(options["prefill_chunk"])))
             report.llm_metadata = LlmMetadata.from_dict(metadata, strict=True)
             key = preparation_key(recipe, options, request.max_seq_len)
             if not request.generate and key not in needed_later:
@@ -299,9 +306,14 @@ def _recipe_engine(recipe: Recipe, module: torch.nn.Module, lowered: LoweredProg
     labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
     backend = recipe.backend
     why_not = "lowering failed" if lowered is None else backend.cannot_run_here()
+    if why_not is None and recipe.static_io:
+        return static_program.runtime_session(lowered.pte_path).step, gen.ENGINE_RUNTIME
     if why_not is None:
         return gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports)), gen.ENGINE_RUNTIME
     report.runtime_note = why_not
+    if recipe.static_io:
+        session = static_program.eager_session(module, int(report.recipe.options["prefill_chunk"]))
+        return session.step, backend.eager_engine
     return gen.eager_step(module), backend.eager_engine
 
 
@@ -315,7 +327,10 @@ def _ship(job: _Job, recipe: Recipe, lowered: LoweredProgram, recipe_dir: Path, 
                                                                             lowered.ptd_sha256)
     for name, data in job.tokenizer_files.items():
         write_atomically(recipe_dir / name, data)
-    if job.request.generate and recipe.backend.cannot_run_here() is None:
+    if recipe.static_io:
+        write_atomically(recipe_dir / static_program.RUNNER_NAME, static_program.runner_source())
+        report.runner_note = static_program.runner_note(recipe.backend.cannot_run_here())
+    elif job.request.generate and recipe.backend.cannot_run_here() is None:
         with job.stages.stage(f"generating with ExecuTorch's LLM runner ({recipe.name})", figures, "runner_generate"):
             request, checkpoint = job.request, job.checkpoint
             generation, report.runner_note = llm_runner.runner_generation(

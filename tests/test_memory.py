@@ -280,7 +280,7 @@ def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
         assert 0.75 <= ratio <= 1.25, (cell["model"], cell["recipe"], cell["export_only"], round(ratio, 3))
 
 
-@pytest.mark.parametrize("scheme", ["8da4w", "8da8w", "int4-weight", "8da4w-emb4"])
+@pytest.mark.parametrize("scheme", ["8da4w", "8da8w", "int4-weight", "8da4w-emb4", "c4w"])
 def test_quantizing_by_rows_gives_the_same_tensors_as_at_once(scheme):
     from quant.schemes import apply_scheme_by_rows
 

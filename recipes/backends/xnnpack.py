@@ -418,6 +418,9 @@ BACKEND = Backend(
     lowering_memory_per_layer_bytes=17e6,
     # The flatbuffer and what the lowered program still holds; the packed weights are copied from their files.
     serialize_memory_ratio=0.4,
+    # A static recipe's second method: each method's delegate payloads are made in turn, the weights stored once in
+    # the named data both reference (bench/static_methods.py measures it).
+    lowering_memory_per_method=0.87,
 )
 
 RECIPES = (
@@ -431,4 +434,10 @@ RECIPES = (
     # recipe is checked in; another kv_cache or a ring takes the custom ops' form (kv_cache_module_options).
     recipe(BACKEND, "fp16", "XNNPACK, fp16 weights and activations",
            module_overrides={"attention": "sdpa", "fuse_qkv": False}),
+    # The Core ML Neural Engine recipes' static form (the same module, methods and IO) in fp32, which runs here:
+    # run_static.py drives it on the ExecuTorch runtime exactly as it drives theirs on Apple hardware.
+    recipe(BACKEND, "fp32", "XNNPACK twin of the static Neural Engine form: fp32, prefill and decode methods, caches "
+                            "as inputs and outputs, run by run_static.py", name="xnnpack-static-fp32",
+           options={"prefill_chunk": 32, "max_linear_outputs": 1024},
+           module_overrides={"attention": "sdpa-slice", "fuse_qkv": False, "norm": "hf"}, static_io=True),
 )

@@ -1,0 +1,179 @@
+"""The static-shape form (models/static_llama.py) and its runner (recipes/static_runner.py, shipped as
+run_static.py): the same model as the dynamic module, and the same tokens through the ExecuTorch runtime."""
+import pytest
+import torch
+
+
+def _dynamic_and_static(checkpoint, context: int, max_outputs: int | None):
+    from models.llama import ExportOptions, build_exportable
+    from recipes.static_program import static_form
+
+    dynamic = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(context, attention="sdpa"))
+    base = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(context, attention="sdpa-slice"))
+    return dynamic, static_form(base, {"max_linear_outputs": max_outputs})
+
+
+def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
+    """fp32: every position's logits of the evaluation text, prefilled in chunks of 8 (the last one padded) and then
+    decoded token by token, equal the dynamic module's; linears split to 8 outputs compute the same."""
+    from recipes import fidelity
+    from recipes.generate import eager_step
+    from recipes.static_program import eager_session
+
+    context = 48
+    dynamic, static = _dynamic_and_static(tiny_checkpoint, context, 8)
+    assert any(type(m).__name__ == "SplitLinear" for m in static.modules())
+    ids = fidelity.eval_token_ids(tiny_checkpoint.tokenizer)[:context]
+    expected = fidelity.sequence_logits(eager_step(dynamic), ids, context)
+    chunked = fidelity.sequence_logits(eager_session(static, 8).step, ids, context)
+    assert chunked.shape == expected.shape
+    assert (chunked - expected).abs().max().item() < 1e-4
+    session = eager_session(static, 8)
+    prefix = 13  # a prefill of one full chunk and a padded one, then decode steps
+    decoded = [session.feed(ids[:prefix])[-1]] + [session.feed([t])[-1] for t in ids[prefix:context - 1]]
+    assert (torch.stack(decoded) - expected[prefix - 1:context - 1]).abs().max().item() < 1e-4
+
+
+def _load_shipped_runner(folder):
+    """The folder's run_static.py as a module: the file a user runs, not the repository's copy."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_static_shipped", folder / "run_static.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_static_twin(tiny_llama_dir, tmp_path_factory):
+    """xnnpack-static-fp32 on the tiny Llama through run(), as the CLI runs it."""
+    from recipes.request import RunRequest
+    from recipes.run import run
+
+    out = tmp_path_factory.mktemp("static-twin")
+    summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=64,
+                             max_new_tokens=6, prompt="what is the capital ?", options={"prefill_chunk": 4}))
+    return out, summary.recipes[0]
+
+
+def test_twin_driven_by_run_static_gives_eager_fp32_tokens(tiny_static_twin, tiny_checkpoint):
+    """The shipped run_static.py on the .pte (ExecuTorch runtime, XNNPACK): the prompt prefilled in chunks of 4, then
+    greedy decode, gives the eager fp32 reference's tokens; so does the pipeline's own run of it."""
+    from models.prompting import prompt_token_ids
+
+    out, report = tiny_static_twin
+    assert not report.errors, report.errors
+    reference, runtime = report.generations[0], report.generations[-1]
+    assert (reference.engine, runtime.engine) == ("eager-fp32", "executorch-runtime")
+    assert runtime.tokens == reference.tokens
+    assert report.fidelity.top1_agreement_percent == 100.0 and report.fidelity.engine == "executorch-runtime"
+    shipped = _load_shipped_runner(out)
+    session = shipped.runtime_session(out / "model.pte")
+    ids = shipped.chat_prompt_ids(tiny_checkpoint.tokenizer, "what is the capital ?")
+    assert ids == prompt_token_ids(tiny_checkpoint.tokenizer, "what is the capital ?") and len(ids) > 4
+    result = shipped.generate(session, ids, 6, set(session.stop_ids))
+    assert result["tokens"] == reference.tokens
+    assert report.delegation.methods == ["decode", "prefill"]
+    assert {o["op"]: o for o in report.delegation.ops}["aten_linear_default"]["non_delegated"] == 0
+
+
+def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
+    from pathlib import Path
+
+    from executorch.runtime import Runtime
+
+    from recipes.publish import model_card
+
+    out, report = tiny_static_twin
+    shipped = (out / "run_static.py").read_bytes()
+    assert shipped == (Path(__file__).resolve().parent.parent / "recipes" / "static_runner.py").read_bytes()
+    methods = Runtime.get().load_program(str(out / "model.pte")).method_names
+    assert {"prefill", "decode", "get_prefill_len", "get_kv_cache_shape", "get_max_seq_len"} <= methods
+    assert "forward" not in methods
+    assert "TextLLMRunner" in report.runner_note and report.profile_note
+    card = model_card(report, None)
+    assert "python run_static.py --prompt" in card and "cannot drive this program" in card
+    assert "ran `run_static.py`'s loop on this very file here" in card
+    assert "llama_main --model_path" not in card
+
+
+def test_static_programs_have_no_symbolic_dimension(tiny_checkpoint):
+    """Both methods' inputs and outputs have fixed sizes: the form a Neural Engine compiles."""
+    from models.llama import ExportOptions, build_exportable
+    from recipes.static_program import export_methods, static_form
+
+    base = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa-slice"))
+    programs = export_methods(static_form(base, {}), 8)
+    assert set(programs) == {"prefill", "decode"}
+    for name, program in programs.items():
+        shapes = [n.meta["val"].shape for n in program.graph.nodes if n.op in ("placeholder", "output")
+                  and isinstance(n.meta.get("val"), torch.Tensor)]
+        assert shapes and all(isinstance(d, int) for shape in shapes for d in shape), name
+        assert not program.range_constraints, name
+
+
+@pytest.fixture(scope="module")
+def builtin_ane_c4w(tmp_path_factory):
+    """coreml-ane-c4w on the built-in model, export only (minmax, the quickest algorithm: the program is the same)."""
+    from recipes.request import RunRequest
+    from recipes.run import run
+
+    out = tmp_path_factory.mktemp("builtin-ane")
+    summary = run(RunRequest(recipes=["coreml-ane-c4w"], out_dir=out, max_seq_len=256, generate=False,
+                             options={"quant_algorithm": "minmax"}))
+    return out, summary.recipes[0]
+
+
+@pytest.mark.builtin
+def test_builtin_ane_c4w_has_both_static_methods_with_every_linear_in_core_ml(builtin_ane_c4w):
+    from executorch.runtime import Runtime
+
+    out, report = builtin_ane_c4w
+    assert not report.errors, report.errors
+    program = Runtime.get().load_program(str(out / "model.pte"))
+    assert {"prefill", "decode"} <= program.method_names
+    layers, kv_heads, head_dim = 30, 3, 64
+    for method, tokens in (("prefill", 32), ("decode", 1)):
+        meta = program.metadata(method)
+        sizes = [list(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
+        assert sizes[:3] == [[1, tokens], [1], [1, 1, tokens, 256 + tokens]]
+        assert sizes[3:] == [[1, kv_heads, 256, head_dim]] * (2 * layers)
+    metadata = report.llm_metadata
+    assert metadata.enable_dynamic_shape is False and metadata.get_prefill_len == 32
+    assert metadata.get_kv_cache_shape == [1, kv_heads, 256, head_dim] and metadata.get_kv_cache_fp16
+    ops = {o["op"]: o for o in report.delegation.ops}
+    # 7 linears a layer, gate and up split in two (1536 outputs), the output layer in 48 (49152): per method
+    linears = layers * 9 + 48
+    assert ops["aten_linear_default"]["delegated"] == 2 * linears and ops["aten_linear_default"]["non_delegated"] == 0
+    assert ops["aten_scaled_dot_product_attention_default"] == {
+        **ops["aten_scaled_dot_product_attention_default"], "delegated": 2 * layers, "non_delegated": 0}
+    for norm_op in ("aten_rsqrt_default", "aten_mean_dim"):
+        assert ops[norm_op]["non_delegated"] == 0 and ops[norm_op]["delegated"] == 2 * (2 * layers + 1)
+    assert {o["op"] for o in report.delegation.ops if o["non_delegated"]} <= {"getitem"}
+    assert report.recipe.options["compute_units"] == "cpu_and_ne"
+
+
+@pytest.fixture(scope="module")
+def builtin_static_twin(tmp_path_factory):
+    from recipes.request import RunRequest
+    from recipes.run import run
+
+    out = tmp_path_factory.mktemp("builtin-twin")
+    summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, max_seq_len=256, max_new_tokens=12))
+    return out, summary.recipes[0]
+
+
+@pytest.mark.builtin
+def test_builtin_twin_answers_paris_through_run_static(builtin_static_twin):
+    import subprocess
+    import sys
+
+    out, report = builtin_static_twin
+    assert not report.errors, report.errors
+    reference, runtime = report.generations[0], report.generations[-1]
+    assert runtime.engine == "executorch-runtime" and runtime.tokens == reference.tokens
+    assert "Paris" in runtime.text
+    answer = subprocess.run([sys.executable, str(out / "run_static.py"), "--max-new-tokens", "12"], cwd=out,
+                            capture_output=True, text=True, timeout=600)
+    assert answer.returncode == 0, answer.stderr[-2000:]
+    assert "Paris" in answer.stdout

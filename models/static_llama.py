@@ -28,13 +28,19 @@ class SplitLinear(nn.Module):
             stop = min(start + max_outputs, rows)
             with torch.device("meta"):
                 part = nn.Linear(linear.weight.shape[1], stop - start, bias=linear.bias is not None)
-            part.weight = nn.Parameter(linear.weight.data[start:stop], requires_grad=False)
+            part.weight = nn.Parameter(_own_rows(linear.weight.data, start, stop), requires_grad=False)
             if linear.bias is not None:
-                part.bias = nn.Parameter(linear.bias.data[start:stop], requires_grad=False)
+                part.bias = nn.Parameter(_own_rows(linear.bias.data, start, stop), requires_grad=False)
             self.parts.append(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _own_rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop in storage of their own. A slice shares its parent's storage at an offset, and a program
+    lowered from such constants computes wrong logits on the ExecuTorch runtime."""
+    return tensor[start:stop].clone()
 
 
 def split_wide_linears(module: nn.Module, max_outputs: int) -> int:

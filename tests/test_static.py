@@ -46,13 +46,15 @@ def _load_shipped_runner(folder):
 
 @pytest.fixture(scope="module")
 def tiny_static_twin(tiny_llama_dir, tmp_path_factory):
-    """xnnpack-static-fp32 on the tiny Llama through run(), as the CLI runs it."""
+    """xnnpack-static-fp32 on the tiny Llama through run(), as the CLI runs it, its linears split to 32 outputs as
+    a real model's wide ones are."""
     from recipes.request import RunRequest
     from recipes.run import run
 
     out = tmp_path_factory.mktemp("static-twin")
     summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=64,
-                             max_new_tokens=6, prompt="what is the capital ?", options={"prefill_chunk": 4}))
+                             max_new_tokens=6, prompt="what is the capital ?",
+                             options={"prefill_chunk": 4, "max_linear_outputs": 32}))
     return out, summary.recipes[0]
 
 

@@ -262,7 +262,10 @@ def spill_named_data(backend_details: type, spill_dir: Path, external_tag: str |
     def preprocess(edge_program, compile_specs):
         result = original(edge_program, compile_specs)
         if result.data_store_output is not None:
-            result.data_store_output = spill_to_files(result.data_store_output, spill_dir, external_tag)
+            try:
+                result.data_store_output = spill_to_files(result.data_store_output, spill_dir, external_tag)
+            except OSError as err:  # a full disk is the output's failure, said as such, not the backend's
+                raise OutputWriteError(err.errno, err.strerror, str(spill_dir)) from err
         return result
 
     return swap_attribute(backend_details, "preprocess", staticmethod(preprocess))

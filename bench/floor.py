@@ -105,31 +105,35 @@ class _Norms(nn.Module):
         return x
 
 
-class _Attention(nn.Module):
+class CacheAttention(nn.Module):
     """A decode step's work outside the XNNPACK delegate, layer after layer: the cache writes and custom_sdpa
-    of models/llama.py's Attention (its own methods, on caches shaped as in the built-in model)."""
+    of models/llama.py's Attention (its own methods, in the given module form), chained over the layers."""
 
-    def __init__(self):
+    def __init__(self, shape, options):
         super().__init__()
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers the llama:: ops)
 
-
-        shape = LlamaShape(vocab_size=1, hidden=HIDDEN, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
-                           n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, attention_bias=False,
-                           mlp_bias=False, max_position_embeddings=MAX_SEQ_LEN)
-        options = ExportOptions(max_seq_len=MAX_SEQ_LEN, attention="custom", fuse_qkv=True)
-        self.layers = nn.ModuleList(Attention(shape, options) for _ in range(LAYERS))
+        self.context = options.max_seq_len
+        self.layers = nn.ModuleList(Attention(shape, options) for _ in range(shape.n_layers))
         for layer in self.layers:  # the probe calls only the cache methods: no projection weights in its program
             del layer.qkv_proj, layer.o_proj
 
     def forward(self, q, k, v, input_pos):
         start_pos = input_pos[0].item()
         torch._check(start_pos >= 0)
-        torch._check(start_pos + q.shape[1] <= MAX_SEQ_LEN)
+        torch._check(start_pos + q.shape[1] <= self.context)
         for layer in self.layers:
             layer.write_cache_custom(k, v, start_pos)
             q = layer.attend_cache_custom(q, start_pos)  # chained, so every layer's sdpa stays in the program
         return q
+
+
+def _builtin_attention() -> CacheAttention:
+    """The probe on caches shaped as in the built-in model."""
+    shape = LlamaShape(vocab_size=1, hidden=HIDDEN, intermediate=1, n_layers=LAYERS, n_heads=HEADS,
+                       n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, attention_bias=False,
+                       mlp_bias=False, max_position_embeddings=MAX_SEQ_LEN)
+    return CacheAttention(shape, ExportOptions(max_seq_len=MAX_SEQ_LEN, attention="custom", fuse_qkv=True))
 
 
 def _lower_attention():
@@ -138,7 +142,7 @@ def _lower_attention():
     example = (torch.randn(1, 1, HEADS, HEAD_DIM), torch.randn(1, 1, KV_HEADS, HEAD_DIM),
                torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.tensor([DECODE_POSITIONS[0]]))
     with torch.no_grad():
-        program = torch.export.export(_Attention().eval(), example, strict=False)
+        program = torch.export.export(_builtin_attention().eval(), example, strict=False)
     lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
     return load_runtime_method(lowered.pte, BACKEND.runtime_imports)
 

@@ -95,12 +95,12 @@ def attention_ms(hf: str, cache: str, context: int, positions: tuple[int, ...], 
     import time
 
     import torch
-    from torch import nn
     from transformers import AutoConfig
 
     # loads torch, which bench's driver leaves to the processes it starts
     from bench.decode import set_runtime_threads
-    from models.llama import Attention, LlamaShape
+    from bench.floor import CacheAttention
+    from models.llama import LlamaShape
     from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
     from recipes.generate import load_runtime_method
     from recipes.lowering import lower_to_pte
@@ -111,26 +111,10 @@ def attention_ms(hf: str, cache: str, context: int, positions: tuple[int, ...], 
     shape = LlamaShape.from_config(AutoConfig.from_pretrained(hf))
     options = get_recipe("xnnpack-8da4w").export_options(context, {"kv_cache": cache})
 
-    class Layers(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(Attention(shape, options) for _ in range(shape.n_layers))
-            for layer in self.layers:  # the cache methods only: no projection weights in the program
-                del layer.qkv_proj, layer.o_proj
-
-        def forward(self, q, k, v, input_pos):
-            start_pos = input_pos[0].item()
-            torch._check(start_pos >= 0)
-            torch._check(start_pos + q.shape[1] <= context)
-            for layer in self.layers:
-                layer.write_cache_custom(k, v, start_pos)
-                q = layer.attend_cache_custom(q, start_pos)  # chained, so every layer's attention stays
-            return q
-
     q = torch.randn(1, 1, shape.n_heads, shape.head_dim)
     k, v = torch.randn(1, 1, shape.n_kv_heads, shape.head_dim), torch.randn(1, 1, shape.n_kv_heads, shape.head_dim)
     with torch.no_grad():
-        program = torch.export.export(Layers().eval(), (q, k, v, torch.tensor([0])), strict=False)
+        program = torch.export.export(CacheAttention(shape, options).eval(), (q, k, v, torch.tensor([0])), strict=False)
     lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
     _program, method = load_runtime_method(lowered.pte, BACKEND.runtime_imports)
     found = {}

@@ -308,6 +308,12 @@ def running_app(tmp: Path):
             process.wait(timeout=30)
 
 
+def choose_local_folder(page, folder) -> None:
+    """On the app's page: the Local path source, with this folder in its box."""
+    page.get_by_label("Local path", exact=True).check()
+    page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(folder))
+
+
 def launch_browser(playwright):
     if not Path("/usr/bin/chromium").exists():
         pytest.skip("Debian chromium is not installed (bash setup.sh --test)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch_browser, running_app
+from tests.conftest import choose_local_folder, launch_browser, running_app
 
 TOKEN = "hf_secretTokenThatMustNeverShow42"
 
@@ -188,8 +188,7 @@ def test_browser_error_stays_on_the_page_after_its_toast_then_a_job_succeeds(app
         page.screenshot(path=str(tmp_path / "error.png"), full_page=True)
         shutil_copy(tmp_path / "error.png")
 
-        page.get_by_label("Local path", exact=True).check()
-        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        choose_local_folder(page, tiny_llama_dir)
         page.get_by_role("button", name="Lower", exact=True).click()
         expect(page.locator("#generations")).to_contain_text("executorch-runtime", timeout=600_000)
         expect(page.locator("#summary-table")).to_contain_text("xnnpack-8da4w")
@@ -222,8 +221,7 @@ def test_browser_a_ticked_core_ml_recipe_alone_runs_exactly_that_recipe(app, tin
         expect(page.locator("#recipes-coreml")).to_contain_text("Not here: Core ML programs run only on Apple")
         expect(page.locator("#summary-table")).to_be_hidden()  # no empty placeholder table before a job
 
-        page.get_by_label("Local path", exact=True).check()
-        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        choose_local_folder(page, tiny_llama_dir)
         page.get_by_label("xnnpack-8da4w — XNNPACK").uncheck()
         page.get_by_label("coreml-int4 — Core ML, int4 weights (group 32), fp16 compute").check()
         page.get_by_text("Advanced", exact=True).click()
@@ -251,8 +249,7 @@ def test_browser_an_algorithm_and_the_layer_map_reach_the_report_and_its_chart(a
         browser = launch_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 2400})
         page.goto(app["url"])
-        page.get_by_label("Local path", exact=True).check()
-        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        choose_local_folder(page, tiny_llama_dir)
         page.get_by_text("Advanced", exact=True).click()
         page.get_by_label("Quantization algorithm").click()
         page.get_by_role("option", name=re.compile(r"^minmax — ")).click()

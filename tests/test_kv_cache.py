@@ -368,14 +368,13 @@ def test_browser_kv_cache_controls_reach_the_report(tiny_llama_dir, tmp_path):
 
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.conftest import launch_browser, running_app
+    from tests.conftest import choose_local_folder, launch_browser, running_app
 
     with running_app(tmp_path) as app, sync_playwright() as p:
         browser = launch_browser(p)
         page = browser.new_page(viewport={"width": 1400, "height": 2000})
         page.goto(app["url"])
-        page.get_by_label("Local path", exact=True).check()
-        page.get_by_label("Local path (Hugging Face folder or .gguf)").fill(str(tiny_llama_dir))
+        choose_local_folder(page, tiny_llama_dir)
         page.get_by_text("Advanced", exact=True).click()
         page.get_by_label("Lower only: write the .pte").check()
         page.get_by_label("KV cache", exact=True).click()

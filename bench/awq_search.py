@@ -2,11 +2,14 @@
 
     python -m bench.awq_search kl               # the built-in model's eager xnnpack-8da4w module: search s, mean KL
     python -m bench.awq_search time llama-3.2-1b  # one decoder layer at a published shape: search s per layer
+    python -m bench.awq_search memory llama-3.1-8b  # the same layer: each plan's peak RSS over the layer
 
 `kl` scores each plan's module against the fp32 reference on the evaluation and held-out texts (recipes/fidelity.py),
 as a job's fidelity does on the .pte. `time` builds one random decoder layer with the shape's config
 (bench/scale_models.py), carries 512 random calibration tokens into it, and times each plan's search on its own
-copy of that layer. Prints one JSON line per plan."""
+copy of that layer. `memory` measures, on the same layer, the peak RSS each plan's search adds to what the process
+held before it (recipes/rss.py), in fp32 copies of the widest linear group (gate and up): the unit the memory
+estimate counts (quant/awq.py: AWQ_SEARCH_COPIES). Prints one JSON line per plan."""
 from __future__ import annotations
 
 import copy
@@ -25,7 +28,7 @@ from models.llama import ExportOptions, LlamaForExport, _fill_buffers, build_exp
 from quant.awq import EXHAUSTIVE, FAST, AwqAsBuilt, SearchPlan, _entering_first_layer, search_layer
 from quant.calibration import calibration_windows
 from quant.schemes import apply_scheme_by_rows, search_config
-from recipes import fidelity
+from recipes import fidelity, rss
 from recipes.generate import eager_step
 from recipes.registry import get_recipe
 
@@ -74,7 +77,7 @@ def mean_kl() -> None:
               perplexity_ratio=round(figures[0]["perplexity_ratio"], 3))
 
 
-def layer_time(shape: str) -> None:
+def _random_layer_and_states(shape: str):
     importlib.import_module("executorch.extension.llm.custom_ops.custom_ops")  # the layer's cache and SDPA ops
     torch.manual_seed(0)
     config = LlamaConfig(**{**CONFIGS[shape], "num_hidden_layers": 1})
@@ -85,6 +88,11 @@ def layer_time(shape: str) -> None:
             parameter.fill_(1.0) if "norm" in name else parameter.normal_(0, config.initializer_range)
     _fill_buffers(module, config, options)
     states, arguments = _entering_first_layer(module, [torch.randint(0, config.vocab_size, (1, MAX_SEQ_LEN))])
+    return config, module, states, arguments
+
+
+def layer_time(shape: str) -> None:
+    config, module, states, arguments = _random_layer_and_states(shape)
     for name, plan in PLANS.items():
         layer = copy.deepcopy(module.model.layers[0])
         started = time.perf_counter()
@@ -93,5 +101,21 @@ def layer_time(shape: str) -> None:
               layers=CONFIGS[shape]["num_hidden_layers"])
 
 
+def layer_memory(shape: str) -> None:
+    config, module, states, arguments = _random_layer_and_states(shape)
+    widest_bytes = 4 * config.hidden_size * 2 * config.intermediate_size
+    # the default first: a plan measured after another may reuse heap the other freed, and read low
+    for name, plan in {"default": FAST, "exhaustive (torchao's AWQObserver)": EXHAUSTIVE}.items():
+        layer = copy.deepcopy(module.model.layers[0])
+        before = rss.rss_bytes()
+        rss.mark()
+        search_layer(layer, states, arguments, search_config("8da4w"), plan)
+        added = rss.peak_bytes() - before
+        _line(plan=name, shape=shape, peak_over_layer_mb=round(added / 2**20), widest_group_mb=round(widest_bytes / 2**20),
+              copies=round(added / widest_bytes, 2))
+        del layer
+
+
 if __name__ == "__main__":
-    mean_kl() if sys.argv[1] == "kl" else layer_time(sys.argv[2])
+    modes = {"kl": lambda: mean_kl(), "time": lambda: layer_time(sys.argv[2]), "memory": lambda: layer_memory(sys.argv[2])}
+    modes[sys.argv[1]]()

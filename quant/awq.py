@@ -17,11 +17,11 @@ from torch import nn
 
 AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
 # What AwqAsBuilt's search on a decoder layer holds beside the float layer, in fp32 copies of the linears reading
-# the layer's widest input (gate and up concatenated): torchao's observer (EXHAUSTIVE) concatenates them, and each
-# candidate scales, quantizes, dequantizes and multiplies them, with torchao's temporaries. Fit to that search's
-# peak in an export-only job at Llama-3.2-1B's shape (recipes/memory_estimate.py counts it); FAST holds one copy
-# and a block of rows, so for it the figure is an upper bound.
-AWQ_SEARCH_COPIES = 15
+# the layer's widest input (gate and up concatenated). The FAST plan holds that concatenation and a block of rows
+# (`python -m bench.awq_search memory <shape>` measures one copy at Llama-3.2-1B's and 3.1-8B's shapes); the other
+# copy covers the kept calibration tokens and the layer's activations. EXHAUSTIVE (torchao's observer, about
+# thirteen copies) is a bench plan, not a job's.
+AWQ_SEARCH_COPIES = 2
 
 
 def layer_linears(layer) -> dict[str, list[nn.Linear]]:

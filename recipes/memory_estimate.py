@@ -38,9 +38,14 @@ EXPORT_RATIO = 0.15
 STRICT_EXPORT_RATIO = 1.35
 # generation on the runtime: the program loaded from the .pte file, over the .pte.
 RUNTIME_RATIO = 1.0
-# the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized
-# state and the event buffers, over the .pte (the timed run's program and the quantized module are released).
-PROFILE_RATIO = 3.5
+# the profile's event-traced pass (recipes/profile.py): its load of the program, the delegates' initialized state
+# and the event buffers (the timed run's program and the quantized module are released). A program whose linears
+# are float has them packed again into XNNPACK's kernel layout when it loads; a quantized one mostly does not.
+# Fitted to the zoo's full jobs: 135M xnnpack-fp32 (profile the peak) and Llama-3.2-3B's shape xnnpack-8da4w
+# (profile stage 4.1 GB, 1.23x its 2.2 GB program over what the job held).
+PROFILE_RATIO_FLOAT = 2.5
+PROFILE_RATIO_QUANTIZED = 1.25
+PROFILE_FIXED = 0.35 * GB  # the runtime, the delegates' workspace and the event buffers
 # Tokens of the fidelity texts per character (quant/eval_text*.txt; Llama-family tokenizers make about 0.25), until
 # the tokenizer is read and gives the count (recipes/run.py).
 EVAL_TOKENS_PER_CHAR = 0.3
@@ -171,32 +176,34 @@ def _recipe_cache_bytes(config, recipe, max_seq_len: int, options: dict) -> int:
 
 def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
                  budget_bytes: int | None = None, options: dict | None = None,
-                 eval_tokens: list[int] | None = None) -> JobEstimate:
+                 eval_tokens: list[int] | None = None, layer_map: bool = False) -> JobEstimate:
     """Peak RSS and output disk of running `recipes` (registry Recipes) on a model with this config.
     With generation, the eager reference computes in fp32 on the checkpoint's own weights (a half-precision
     checkpoint's matrices stay in its dtype, models/compute_dtype.py) when that fits in `budget_bytes` (default:
     this host's, see memory_budget), else in the checkpoint's own dtype. options: recipe name -> its options
     (recipes/request.py: recipe_options), which say whether it quantizes the whole float model at once.
     eval_tokens: the fidelity texts' token counts by the model's tokenizer, once it is read (a tokenizer made
-    for a random checkpoint can make twice the usual count, and every token keeps a row of logits)."""
+    for a random checkpoint can make twice the usual count, and every token keeps a row of logits).
+    layer_map: the per-layer error map is asked for, which runs the quantized module after its program."""
     if generate:
         budget = memory_budget()[0] if budget_bytes is None else budget_bytes
         stored = checkpoint_dtype(config)
-        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options, eval_tokens)
+        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options, eval_tokens, layer_map=layer_map)
         if fp32.peak_rss_bytes <= budget or stored == torch.float32:
             return fp32
-        whole = _estimate(config, recipes, max_seq_len, stored, options=options, eval_tokens=eval_tokens)
+        whole = _estimate(config, recipes, max_seq_len, stored, options=options, eval_tokens=eval_tokens,
+                          layer_map=layer_map)
         if whole.peak_rss_bytes <= budget:
             return whole
         layer_major = _estimate(config, recipes, max_seq_len, torch.float32, options=options, eval_tokens=eval_tokens,
-                                layer_major=True)
+                                layer_major=True, layer_map=layer_map)
         return layer_major if layer_major.peak_rss_bytes < whole.peak_rss_bytes else whole
     return _estimate(config, recipes, max_seq_len, None, options=options)
 
 
 def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
               reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
-              eval_tokens: list[int] | None = None, layer_major: bool = False) -> JobEstimate:
+              eval_tokens: list[int] | None = None, layer_major: bool = False, layer_map: bool = False) -> JobEstimate:
     w = _weights(config)
     vocab = config.vocab_size
     stored_bytes = torch.finfo(checkpoint_dtype(config)).bits // 8
@@ -266,13 +273,16 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         }
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None
-            # the program on the runtime plans its own caches beside the module's
-            run["generate"] = before + module + ((pte * RUNTIME_RATIO + cache) if runs_here else 0) + window_logits
+            # the quantized module is released once lowered unless something runs it again (recipes/run.py:
+            # module_runs_again); the program on the runtime plans its own caches
+            kept_module = module if (needed_later or layer_map or not runs_here) else 0
+            run["generate"] = before + kept_module + ((pte * RUNTIME_RATIO + cache) if runs_here else 0) + window_logits
             # scored a window at a time (recipes/fidelity.py: compare_step): the window's logits beside the
             # program's own output, and a few rows' float64 log-softmaxes
             run["fidelity"] = run["generate"] + window_logits
             if runs_here:
-                run["profile"] = (before + (module if needed_later else 0) + pte * PROFILE_RATIO + cache
+                ratio = PROFILE_RATIO_FLOAT if pte_lin >= 2 else PROFILE_RATIO_QUANTIZED
+                run["profile"] = (before + (module if needed_later else 0) + pte * ratio + PROFILE_FIXED + cache
                                   + window_logits)
         if needed_later:
             kept_modules[key] = module
@@ -307,10 +317,10 @@ def memory_budget() -> tuple[int, str]:
 
 
 def check_job_fits(config, recipes: list, max_seq_len: int, generate: bool, options: dict | None = None,
-                   eval_tokens: list[int] | None = None) -> JobEstimate:
+                   eval_tokens: list[int] | None = None, layer_map: bool = False) -> JobEstimate:
     """The job's estimate, or a UserFacingError with its numbers and what would fit instead."""
     budget, where = memory_budget()
-    estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options, eval_tokens)
+    estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options, eval_tokens, layer_map)
     if estimate.peak_rss_bytes <= budget:
         return estimate
     choices = []
@@ -371,8 +381,9 @@ class JobMemoryCheck:
     max_seq_len: int
     generate: bool
     options: dict | None = None  # recipe name -> its options
+    layer_map: bool = False
     estimate: JobEstimate | None = None
 
     def __call__(self, config, eval_tokens: list[int] | None = None) -> None:
         self.estimate = check_job_fits(config, self.recipes, self.max_seq_len, self.generate, self.options,
-                                       eval_tokens)
+                                       eval_tokens, self.layer_map)

@@ -73,7 +73,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     validate_request(request, recipes)
     options = {recipe.name: recipe_options(recipe, request.options) for recipe in recipes}
     stages, shared = Stages(progress, cancel, total=3 + 7 * len(recipes)), Figures()
-    memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options)
+    memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options,
+                                            request.layer_map)
     with stages.stage("loading the checkpoint", shared, "load"):
         checkpoint = load_checkpoint(request.model, revision=request.revision, token=request.token,
                                      allow_pickle=request.allow_pickle, progress=progress, check_config=memory)
@@ -183,7 +184,7 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     module, lowered = _lower(job, recipe, options, recipe_dir, needed_later, figures, report)
     if not request.generate:
         report.generation_note = "export only: no sample generations and no fidelity were asked for"
-    elif module is not None:
+    elif module is not None or lowered is not None:
         _generate_and_measure(job, recipe, module, lowered, figures, report)
     # The quantized module (unless a later recipe shares it) is released before the LLM runner and the profile
     # load the .pte again.
@@ -244,7 +245,10 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
                                         ptd_path=ptd_path, consume_program=True)
         figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
-        del program  # the lowered program is in the .pte now; what stays is the module, for eager runs
+        del program  # the lowered program is in the .pte now
+        if module is not None and not module_runs_again(recipe, request) and key not in needed_later:
+            job.prepared.pop(key, None)
+            module = None
         # The export and lowering graphs are reference cycles: collected now, their memory is reused by the
         # runtime's load of the .pte instead of adding to it.
         gc.collect()
@@ -255,6 +259,12 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
         report.errors.append(StageError.of(stage, err))
     return module, lowered
+
+
+def module_runs_again(recipe: Recipe, request: RunRequest) -> bool:
+    """Whether the quantized module is run after its program is lowered: eager generation where the program
+    cannot run here, or the per-layer error map. Otherwise it is released before the program is loaded."""
+    return request.generate and (recipe.backend.cannot_run_here() is not None or request.layer_map)
 
 
 def writes_data_file(recipe: Recipe, request: RunRequest, config) -> bool:

@@ -84,6 +84,28 @@ def test_matrix_records_an_invalid_cell_with_its_reason_and_finishes_the_others(
     assert sum(c["status"] == "ok" for c in result["cells"]) == 2
 
 
+def test_an_earlier_zoo_seeds_a_results_folder_and_a_newer_answer_replaces_the_old(first_matrix, tmp_path):
+    """What `--seed-from` does before a matrix run, and what the run's results.json then keeps: the earlier
+    cells nobody measured again, and for a question asked again only the latest answer."""
+    from zoo.matrix import seed_cells, write_results
+
+    earlier, _ = first_matrix
+    document = json.loads((earlier / "results.json").read_text())
+    fresh = next(c for c in document["cells"] if _good(c) and c["model"] == "test/tiny-a")
+    stale = {**fresh, "key": "0" * 16, "status": "refused", "stage": "memory-estimate", "reason": "needs ~99 GiB",
+             "date": "2026-01-01", "measured_at": "2026-01-01T00:00:00Z"}
+    other = {**fresh, "key": "1" * 16, "recipe": "xnnpack-8da8w", "date": "2026-01-01", "measured_at": None}
+    seeded = tmp_path / "earlier.json"
+    seeded.write_text(json.dumps({**document, "cells": [stale, other]}))
+    out = tmp_path / "zoo"
+    assert seed_cells(out, seeded) == 2 and seed_cells(out, seeded) == 0  # a cell already there is kept
+    (out / "cells" / "tiny-a--xnnpack-fp32--fresh.json").write_text(json.dumps(fresh))  # as a run writes it
+    answers = {c["recipe"]: c for c in write_results(out)}
+    assert set(answers) == {"xnnpack-fp32", "xnnpack-8da8w"}  # the seeded cell nobody measured again stays
+    assert answers["xnnpack-fp32"]["key"] == fresh["key"] and answers["xnnpack-fp32"]["status"] == "ok"
+    assert "needs ~99 GiB" not in (out / "README.md").read_text()
+
+
 def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_cluster, tmp_path):
     from zoo.matrix import plan_cells, run_matrix
     from zoo.entries import find_entry

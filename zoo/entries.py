@@ -122,10 +122,12 @@ def table_rows(cells: list[dict], backend: str | None = None) -> list[dict]:
 
 def preferred_cell(cells: list[dict]) -> dict:
     """Of the cells of one model × recipe, a finished full job's first (it has decode and fidelity figures),
-    then a finished export-only one; of equal ones, the one measured on the newest executorch, then the latest
-    (a matrix re-run after a version or option change adds cells beside the old ones)."""
-    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"), executorch_version(c),
-                                     c.get("date", "")))
+    then a finished export-only one; of equal ones, the one with the recipe's default algorithm (a cell may name
+    another to compare), then the one measured on the newest executorch, then the latest (a matrix re-run after a
+    version or option change adds cells beside the old ones)."""
+    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"),
+                                     "quant_algorithm" not in (c.get("options") or {}), executorch_version(c),
+                                     c.get("measured_at") or c.get("date", "")))
 
 
 def executorch_version(cell: dict) -> tuple[int, ...]:

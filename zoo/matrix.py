@@ -132,7 +132,8 @@ def base_record(cell: Cell) -> dict:
         "params": parameter_count(cell.entry.llama_config()),
         "options": cell.options, "max_seq_len": cell.max_seq_len, "export_only": not cell.generate,
         "weights": cell.weights, "model_identity": cell.identity, "versions": cell.versions,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_name(), "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": cpu_name(), "cores": os.cpu_count(),
     }
 
 
@@ -161,16 +162,24 @@ def record_from_report(record: dict, summary: JobSummary, random_weights: bool) 
     }
 
 
-def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, tracker=None) -> dict:
-    """The body of one Ray task: the same `run()` as `python -m recipes run`, one recipe, one model."""
+def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, tracker=None,
+             memory_limit_bytes: int | None = None) -> dict:
+    """The body of one Ray task: the same `run()` as `python -m recipes run`, one recipe, one model. With
+    memory_limit_bytes (what the node offers a task), the job plans its memory (its reference's form, say)
+    for that limit, as the matrix's estimate did, not for the node's free RAM."""
     thread_policy.limit_openmp_default()
+    if memory_limit_bytes is not None:
+        from recipes.memory_estimate import GB, LIMIT_ENV  # loads torch, after the thread policy
+
+        os.environ[LIMIT_ENV] = f"{memory_limit_bytes / GB:.3f}"
     if tracker is not None:
         tracker.started.remote(cell.key)
     # torch loads here, after the thread policy
     from recipes.request import RunRequest
     from recipes.run import run
 
-    record = {**base_record(cell), "host": platform.node()}  # on a cluster: the node that ran the cell
+    record = {**base_record(cell), "host": platform.node(),  # on a cluster: the node that ran the cell
+              "memory_limit_bytes": memory_limit_bytes}
     started = time.perf_counter()
     request = RunRequest(recipes=[cell.recipe], out_dir=Path(run_dir), model=model_path, options=cell.options,
                          max_seq_len=cell.max_seq_len, max_new_tokens=min(32, cell.max_seq_len // 4),
@@ -316,7 +325,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     finished = 0
     for cell in todo:
         estimate = estimate_job(cell.entry.llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len, cell.generate,
-                                options={cell.recipe: cell.options})
+                                budget_bytes=node_memory, options={cell.recipe: cell.options})
         refused = refusal(cell, estimate, node_memory)
         if refused is not None:
             write_atomically(cell_path(out, cell), json.dumps(refused, indent=2).encode())
@@ -333,7 +342,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
             model_path = built[cell.identity]  # Ray hands the task the folder once the build finished
         run_dir = out / "runs" / cell.entry.slug / f"{cell.recipe}-{cell.key}"
         ref = remote_cell.options(num_cpus=cell_cpus(estimate, cell.generate, node_cpus), memory=estimate.peak_rss_bytes).remote(
-            cell, model_path, str(run_dir), keep_pte, tracker)
+            cell, model_path, str(run_dir), keep_pte, tracker, node_memory)
         pending[ref] = cell
     computed = 0
     with tqdm(total=len(cells), initial=skipped + finished, desc="cells", unit="cell") as bar:
@@ -359,13 +368,51 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     return {"computed": computed + finished, "skipped": skipped, "cells": records}
 
 
+def _question(record: dict) -> str:
+    """What a cell answers: a later cell asking the same (with newer versions, say) supersedes it."""
+    return json.dumps([record["model"], record["recipe"], record["options"], record["max_seq_len"],
+                       record["export_only"], record["weights"]], sort_keys=True)
+
+
+def latest_cells(records: list[dict]) -> list[dict]:
+    """One record per question, the latest measured (a tie: an answer over a refusal or a failure)."""
+    latest: dict[str, dict] = {}
+    for record in sorted(records, key=lambda r: (r.get("measured_at") or r["date"], r["status"] == "ok")):
+        latest[_question(record)] = record
+    return list(latest.values())
+
+
+def _model_slug(repo_id: str) -> str:
+    """The zoo entry's slug (what cell_path names a cell's file by); for a model the zoo no longer lists, the one an
+    entry file of that repo would get."""
+    try:
+        return find_entry(repo_id).slug
+    except UserFacingError:
+        return repo_id.split("/")[-1].lower()
+
+
+def seed_cells(out: Path, results_path: Path) -> int:
+    """out/cells filled from an earlier results.json (a cell already in out is kept), so a matrix run adds to
+    the zoo instead of replacing it; returns how many were written."""
+    from recipes.atomic_write import write_atomically  # loads torch, which a Ray task loads after its thread policy
+
+    written = 0
+    for record in json.loads(Path(results_path).read_text())["cells"]:
+        path = Path(out) / "cells" / f"{_model_slug(record['model'])}--{record['recipe']}--{record['key']}.json"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(record, indent=2).encode())
+            written += 1
+    return written
+
+
 def write_results(out: Path) -> list[dict]:
-    """results.json (every cell in out/cells), README.md and heatmap.png beside it."""
+    """results.json (the latest cell of each question in out/cells), README.md and heatmap.png beside it."""
     # these load torch, which a Ray task loads after its thread policy
     from recipes.atomic_write import write_atomically
     from zoo.report import write_readme
 
-    records = sorted((json.loads(p.read_text()) for p in (Path(out) / "cells").glob("*.json")),
+    records = sorted(latest_cells([json.loads(p.read_text()) for p in (Path(out) / "cells").glob("*.json")]),
                      key=lambda r: (r["backend"], r["model"], r["recipe"]))
     document = {"generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_name(),
                 "cores": os.cpu_count(), "cells": records}
@@ -381,6 +428,8 @@ def run_from_args(args) -> int:
 
     for cell in cells:
         get_recipe(cell.recipe)  # an unknown recipe name stops the matrix before any cell starts
+    if args.seed_from is not None:
+        print(json.dumps({"seeded": seed_cells(args.out, args.seed_from), "from": str(args.seed_from)}))
     connect(args.ray_address, args.memory_gb)
     result = run_matrix(cells, args.out, keep_pte=args.keep_pte, log=lambda msg: print(msg, flush=True))
     print(json.dumps({"computed": result["computed"], "skipped": result["skipped"],
@@ -394,6 +443,9 @@ def add_parser(sub) -> None:
     matrix.add_argument("--recipes", nargs="+", required=True,
                         help="recipe names, `name:key=value,...` for options, or `recommended`")
     matrix.add_argument("--out", required=True, type=Path, help="results folder (cells/, runs/, results.json)")
+    matrix.add_argument("--seed-from", type=Path, metavar="RESULTS_JSON",
+                        help="start --out's cells from this results.json (e.g. zoo/results.json): the run adds to "
+                             "it, a re-measured cell replacing its earlier answer")
     matrix.add_argument("--ray-address", default=None, help="a running Ray cluster (default: a local one)")
     matrix.add_argument("--export-only", action="store_true", help="no generation and no fidelity: .pte figures only")
     matrix.add_argument("--max-seq-len", type=int, default=512, help="max context (capped at each model's limit)")

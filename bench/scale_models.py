@@ -1,5 +1,5 @@
 """Random checkpoints with the exact shapes of the models people ship, as the Hub ships them: bf16
-safetensors shards (at most 2 GB each) + model.safetensors.index.json + config.json + a tokenizer.
+safetensors shards (models/random_checkpoint.py) + model.safetensors.index.json + config.json + a tokenizer.
 
     python -m bench.scale_models NAME DEST
 
@@ -49,7 +49,6 @@ CONFIGS = {
         "use_cache": True, "vocab_size": 32000,
     },
 }
-SHARD_BYTES = 2 * 10**9
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -84,50 +83,11 @@ def parameter_count(config: dict) -> int:
 
 
 def make_checkpoint(name: str, dest: Path, seed: int = 0) -> Path:
-    """Writes the checkpoint once (a folder with config.json and its shards is reused)."""
-    import torch
-    from safetensors.torch import save_file
+    """Writes the checkpoint once (a written folder is reused): models/random_checkpoint.py, shard by shard."""
+    from models.random_checkpoint import write_random_checkpoint  # loads torch, which bench's driver leaves to
+    # the processes it starts
 
-    # loads torch, which bench's driver leaves to the processes it starts
-    from models.random_checkpoint import shape_tokenizer
-
-    dest = Path(dest)
-    if (dest / "config.json").is_file() and (dest / "model.safetensors.index.json").is_file():
-        return dest
-    config = CONFIGS[name]
-    tmp = dest.with_name(dest.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    shapes = tensor_shapes(config)
-    shards, current, size = [], {}, 0
-    for tensor_name, shape in shapes.items():
-        nbytes = 2 * int(torch.Size(shape).numel())
-        if current and size + nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-        current[tensor_name] = shape
-        size += nbytes
-    shards.append(current)
-    generator = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for tensor_name, shape in shard.items():
-            if tensor_name.endswith("norm.weight"):
-                tensors[tensor_name] = torch.ones(shape, dtype=torch.bfloat16)
-            else:
-                std = config["initializer_range"]
-                tensors[tensor_name] = (torch.randn(shape, generator=generator) * std).to(torch.bfloat16)
-            weight_map[tensor_name] = file
-            total += tensors[tensor_name].numel() * 2
-        save_file(tensors, tmp / file, metadata={"format": "pt"})
-        del tensors
-    (tmp / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    shape_tokenizer(config).save_pretrained(tmp)
-    tmp.rename(dest)
-    return dest
+    return write_random_checkpoint(CONFIGS[name], Path(dest), seed)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ this stands in where the Hub is not reachable; anything about output quality nee
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from itertools import chain, product
 from pathlib import Path
@@ -65,33 +66,66 @@ def shape_tokenizer(config: dict):
     return tokenizer
 
 
+# As the Hub ships big models: bf16 safetensors shards of at most this many bytes, named by an index.
+SHARD_BYTES = 2 * 10**9
+
+
+def _shards(shapes: dict, bytes_per_value: int = 2) -> list[dict]:
+    """The tensors' names and shapes, in order, cut into shards of at most SHARD_BYTES (a bigger tensor alone)."""
+    shards, current, size = [], {}, 0
+    for name, shape in shapes.items():
+        nbytes = bytes_per_value * math.prod(shape)
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = shape
+        size += nbytes
+    return [*shards, current]
+
+
+def is_written(folder: Path) -> bool:
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and any(
+        (folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
 def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
-    """Writes the folder once (atomically: built beside it, then renamed); returns it."""
+    """Writes the folder once (atomically: built beside it, then renamed); returns it. One shard is in memory
+    at a time, so an 8B checkpoint needs about a shard's bytes, not the model's."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(folder)
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    if is_written(folder):
         return folder
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     llama_config = LlamaConfig(**config)
     with torch.device("meta"):  # shapes only: no memory for a model built just to name its tensors
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(llama_config).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(llama_config).state_dict().items()}
     if llama_config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     generator = torch.Generator().manual_seed(seed)
     std = float(config.get("initializer_range", 0.02))
-    tensors = {}
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            tensors[name] = (torch.randn(shape, generator=generator) * std).to(torch.bfloat16)
-    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
-    del tensors
+    shards = _shards(shapes)
+    weight_map, total = {}, 0
+    for index, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard.items():
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                tensors[name] = (torch.randn(shape, generator=generator) * std).to(torch.bfloat16)
+            weight_map[name] = file
+            total += 2 * math.prod(shape)
+        save_file(tensors, partial / file, metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        (partial / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     shape_tokenizer(config).save_pretrained(partial)
     shutil.rmtree(folder, ignore_errors=True)

@@ -1,5 +1,6 @@
 """Shape-identical random checkpoints: their tokenizer covers the model's vocabulary and ExecuTorch's LLM
 runner takes the folders they make."""
+import json
 import random
 
 
@@ -49,3 +50,23 @@ def test_random_checkpoint_folder_runs_in_executorch_llm_runner(tmp_path):
     runner = by_engine["executorch-llm-runner"]
     assert runner.new_tokens == 6 and runner.prompt_note is None
     assert runner.text == by_engine["executorch-runtime"].text
+
+
+def test_a_big_checkpoint_is_written_in_shards_one_at_a_time_and_loads(tmp_path, monkeypatch):
+    """Shards of at most SHARD_BYTES with the Hub's index (a shard is the most ever in memory), read back whole."""
+    import models.random_checkpoint as random_checkpoint
+    from models.checkpoint import load_checkpoint
+
+    monkeypatch.setattr(random_checkpoint, "SHARD_BYTES", 100_000)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 512, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    folder = random_checkpoint.write_random_checkpoint(config, tmp_path / "sharded")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (folder / "model.safetensors").exists()
+    assert all(path.stat().st_size <= 100_000 + 64 * 512 * 2 + 4096 for path in shards)  # a bigger tensor goes alone
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {path.name for path in shards}
+    assert len(load_checkpoint(str(folder)).state_dict) == len(index["weight_map"])
+    assert random_checkpoint.write_random_checkpoint(config, tmp_path / "sharded") == folder  # written once

@@ -592,6 +592,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,tinyllama-1.1b,llama-3.2-3b",
                         help="scale phase: model shapes (bench/scale_models.py)")
     parser.add_argument("--scale-recipes", default="xnnpack-8da4w", help="scale phase: export-only recipes")
+    parser.add_argument("--scale-algorithms", default="hqq",
+                        help="scale phase: the int4 algorithms xnnpack-8da4w is exported with, in turn; `default` "
+                             "is Lowerbench's own (hqq: optimum-cli's qparams, the same work)")
     parser.add_argument("--scale-full", action="store_true", help="scale phase: also the full xnnpack-8da4w job")
     parser.add_argument("--scale-dir", default=str(ROOT / "bench" / ".cache" / "scale"),
                         help="scale phase: where the random checkpoints are written (several GB each)")

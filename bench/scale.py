@@ -19,11 +19,27 @@ from bench.runner import RUNNER
 from bench.scale_models import CONFIGS, make_checkpoint, parameter_count
 from recipes.report import Report, load_report
 
-SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b")
+SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b", "llama-3.1-8b")
 RECIPE = "xnnpack-8da4w"
 # optimum-cli's int4 qparams (HQQ scale-only), which RECIPE is exported with here so both tools do the same work
 PEER_QPARAMS = "hqq"
 PEER_ALGORITHM = ("--quant-algorithm", PEER_QPARAMS)
+# --scale-algorithms' name for Lowerbench's own default (no --quant-algorithm): what a user who keeps it waits
+DEFAULT_ALGORITHM = "default"
+# Shapes optimum-cli is not run on, and why.
+OPTIMUM_OUT_OF_REACH = {
+    "llama-3.1-8b": "optimum-cli peaked at 18.9 GB of RSS exporting Llama-3.2-3B's shape (2.5x fewer parameters) in "
+                    "this phase; Llama-3.1-8B's export would need well over the 24 GiB of the machines it runs on",
+}
+
+
+def lowerbench_peer(algorithm: str) -> str:
+    """The scale peer's name of RECIPE exported with `algorithm` (PEER_QPARAMS keeps the name earlier runs used)."""
+    return f"lowerbench {RECIPE}" if algorithm == PEER_QPARAMS else f"lowerbench {RECIPE} {algorithm}"
+
+
+def algorithm_options(algorithm: str) -> tuple[str, ...]:
+    return () if algorithm == DEFAULT_ALGORITHM else ("--quant-algorithm", algorithm)
 SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 
 
@@ -84,14 +100,17 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 continue
         folder = checkpoint_folder(shape, cache)
         config = config_of(shape, folder)
-        peers = {f"lowerbench {r}": (r, False) for r in recipes}
+        # (recipe, full job, recipe options) by peer
+        peers = {f"lowerbench {r}": (r, False, ()) for r in recipes if r != RECIPE}
+        for algorithm in [a for a in args.scale_algorithms.split(",") if a] if RECIPE in recipes else []:
+            peers[lowerbench_peer(algorithm)] = (RECIPE, False, algorithm_options(algorithm))
         if args.scale_full:
-            peers[f"lowerbench {RECIPE} full job"] = (RECIPE, True)
+            peers[f"lowerbench {RECIPE} full job"] = (RECIPE, True, PEER_ALGORITHM)
         for i in range(args.runs):
-            for peer, (recipe, full) in peers.items():
+            for peer, (recipe, full, options) in peers.items():
                 out = tmp / "scale" / shape / f"{peer.replace(' ', '-')}-{i}"
                 shutil.rmtree(out, ignore_errors=True)
-                cmd = lowerbench_cmd(py, folder, out, recipe, 512, full, PEER_ALGORITHM if recipe == RECIPE else ())
+                cmd = lowerbench_cmd(py, folder, out, recipe, 512, full, options)
                 record = run_measured(cmd, tmp / "logs" / f"scale-{shape}-{peer.replace(' ', '-')}-{i}.log", cwd=root,
                                       timeout_s=args.export_timeout)
                 report = out / "report.json"
@@ -102,7 +121,7 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 runs.append(record)
                 progress(f"scale {shape} {peer} run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB, "
                          f"rc {record['returncode']}")
-            if optimum_why_not is None and "optimum" not in args.skip:
+            if optimum_why_not is None and "optimum" not in args.skip and shape not in OPTIMUM_OUT_OF_REACH:
                 out = tmp / "scale" / shape / f"optimum-{i}"
                 shutil.rmtree(out, ignore_errors=True)
                 record = run_measured(optimum_cmd(folder, out), tmp / "logs" / f"scale-{shape}-optimum-{i}.log",
@@ -111,8 +130,9 @@ def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_n
                 record.update(shape=shape, peer="optimum", run=i, pte_bytes=pte.stat().st_size if pte else None)
                 runs.append(record)
                 progress(f"scale {shape} optimum run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB")
-        if optimum_why_not is not None or "optimum" in args.skip:
-            skipped[f"{shape} optimum"] = optimum_why_not or "skipped with --skip"
+        if optimum_why_not is not None or "optimum" in args.skip or shape in OPTIMUM_OUT_OF_REACH:
+            skipped[f"{shape} optimum"] = (optimum_why_not or OPTIMUM_OUT_OF_REACH.get(shape)
+                                           or "skipped with --skip")
         programs = {"lowerbench-pte": next(iter(sorted((tmp / "scale" / shape).glob(
             f"lowerbench-{RECIPE}*-0/model.pte"))), None),
             "optimum-pte": next(iter(sorted((tmp / "scale" / shape / "optimum-0").glob("*.pte"))), None)}
@@ -214,8 +234,13 @@ def scale_ratios(data: dict) -> list[dict]:
             return paired_ratio_by_run(runs, loop("lowerbench-pte"), loop("optimum-pte"), lambda r: r["engine"],
                                        lambda r: r["result"].get(key))
 
+        default = [r for r in data["runs"] if r["shape"] == shape and r["returncode"] == 0
+                   and r["peer"] in ("optimum", lowerbench_peer(DEFAULT_ALGORITHM))]
         row = {"shape": shape, "lowerbench_over_optimum": {
             "export_wall": export_ratio(lambda r: r["wall_s"]),
+            # Lowerbench's default algorithm against optimum's export, in the same runs
+            "default_export_wall": paired_ratio_by_run(default, lowerbench_peer(DEFAULT_ALGORITHM), "optimum",
+                                                       lambda r: r["peer"], lambda r: r["wall_s"]),
             "peak_rss": export_ratio(lambda r: r["peak_rss_mb"]),
             "pte_bytes": export_ratio(lambda r: r.get("pte_bytes")),
             **{key: decode_ratio(key) for key in SPEEDS},

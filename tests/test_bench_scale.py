@@ -1,5 +1,5 @@
 """bench/scale.py's summary of the scale phase: Lowerbench ÷ optimum-cli per shape, paired within a run."""
-from bench.scale import in_runner, summarize_scale
+from bench.scale import DEFAULT_ALGORITHM, in_runner, lowerbench_peer, summarize_scale
 from bench.table import scale_table
 
 PEER = "lowerbench xnnpack-8da4w"
@@ -20,7 +20,10 @@ def _data():
     # run 1 is slow on both sides: the paired ratio stays 0.5 where a ratio of medians would not
     runs = [_export("1b", PEER, 0, 100, 4000), _export("1b", "optimum", 0, 200, 8000, pte=1250),
             _export("1b", PEER, 1, 400, 4000), _export("1b", "optimum", 1, 800, 8000, pte=1250),
-            _export("3b", PEER, 0, 300, 9000), _export("3b", "optimum", 0, 0, 0, returncode=-9)]
+            _export("3b", PEER, 0, 300, 9000), _export("3b", "optimum", 0, 0, 0, returncode=-9),
+            # Lowerbench's default algorithm, in the same runs: 0.6x optimum in run 0, 0.4x in run 1
+            _export("1b", lowerbench_peer(DEFAULT_ALGORITHM), 0, 120, 4100),
+            _export("1b", lowerbench_peer(DEFAULT_ALGORITHM), 1, 320, 4100)]
     decode = [_decode("1b", "lowerbench-pte", 0, 100, 20), _decode("1b", "optimum-pte", 0, 125, 20),
               _decode("1b", "lowerbench-pte", 1, 50, 10), _decode("1b", "optimum-pte", 1, 60, 11),
               _decode("1b", in_runner("lowerbench-pte"), 0, 110, 22), _decode("1b", in_runner("optimum-pte"), 0, 100, 20)]
@@ -33,6 +36,7 @@ def test_ratios_pair_the_runs_and_leave_out_a_shape_whose_peer_failed():
     assert [r["shape"] for r in ratios] == ["1b"]
     q = ratios[0]["lowerbench_over_optimum"]
     assert (q["export_wall"], q["peak_rss"], q["pte_bytes"]) == (0.5, 0.5, 0.8)
+    assert q["default_export_wall"] == 0.5  # its own pairs, not the hqq peer's
     assert q["decode_tokens_per_s"] == round((1.0 + 10 / 11) / 2, 3)
     # the same programs in ExecuTorch's LLM runner, paired apart from the step loop
     assert (q["runner_prefill_tokens_per_s"], q["runner_decode_tokens_per_s"]) == (1.1, 1.1)
@@ -44,7 +48,7 @@ def test_table_names_the_engine_and_shows_the_ratios():
     text = "\n".join(scale_table(data))
     assert "| 1b | lowerbench-pte (executorch-runtime step loop) | 40 |" in text
     assert "| 1b | lowerbench-pte · executorch-llm-runner | 40 |" in text
-    assert "| 1b | 0.50× | 0.50× | 0.80× |" in text and "| 1.10× | 1.10× |" in text
+    assert "| 1b | 0.50× | 0.50× | 0.50× | 0.80× |" in text and "| 1.10× | 1.10× |" in text
 
 
 def test_a_later_invocation_keeps_the_shapes_it_did_not_measure():
@@ -55,7 +59,7 @@ def test_a_later_invocation_keeps_the_shapes_it_did_not_measure():
            "settings": {"shapes": ["3b"]}}
     meta = {"date": "later"}
     keep_other_shapes(old, meta, new)
-    assert [r["shape"] for r in new["runs"]] == ["1b"] * 4 + ["3b"]
+    assert [r["shape"] for r in new["runs"]] == ["1b"] * 6 + ["3b"]
     assert len(new["decode"]) == 6 and new["skipped"] == {"2b optimum": "no venv"}
     assert meta["earlier_meta"]["date"] == "d"
 

@@ -224,8 +224,9 @@ def test_fp16_recipe_with_an_int8_cache_runs_on_the_runtime(tiny_checkpoint):
 
 
 def test_estimate_counts_the_caches_in_their_dtype():
-    """Module and program each hold the caches: int8 keeps a byte per value and 5 bytes (fp32 scale, int8 zero
-    point) per token and head, against fp32's 4 per value."""
+    """The module holds the caches until lowered, then the program on the runtime (the module is released once
+    its program is written): int8 keeps a byte per value and 5 bytes (fp32 scale, int8 zero point) per token and
+    head, against fp32's 4 per value."""
     from bench.scale_models import CONFIGS
     from models.llama import LlamaShape
     from recipes.memory_estimate import estimate_job
@@ -241,7 +242,8 @@ def test_estimate_counts_the_caches_in_their_dtype():
     values = 2 * shape.n_layers * context * shape.n_kv_heads * shape.head_dim
     per_head_rows = 2 * shape.n_layers * context * shape.n_kv_heads
     saved = values * 4 - (values + per_head_rows * 5)
-    assert jobs["fp32"]["generate"] - jobs["int8"]["generate"] == pytest.approx(2 * saved, abs=8)
+    assert jobs["fp32"]["generate"] - jobs["int8"]["generate"] == pytest.approx(saved, abs=8)
+    assert jobs["fp32"]["lower"] - jobs["int8"]["lower"] >= saved
     assert jobs["fp32"]["export"] > jobs["int8"]["export"]
 
 
@@ -304,10 +306,11 @@ def _chat_turns(folder, questions: list[str], max_new_tokens: int) -> list[dict]
 
 
 def _loops(text: str) -> bool:
-    """A repetition loop: some three words in a row recur four times or more."""
-    words = text.split()
-    triples = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
-    return any(triples.count(t) >= 4 for t in set(triples))
+    """A repetition loop, as a broken cache makes one: the answer ends in one phrase (one to eight words) said
+    three times in a row or more. An answer that comes back to a phrase between other words (a small model's
+    "the capital of ... the capital of") is not one."""
+    words = text.replace("<|im_end|>", " ").split()
+    return any(len(words) >= 3 * k and words[-k:] * 3 == words[-3 * k:] for k in range(1, 9))
 
 
 @pytest.mark.builtin

@@ -157,24 +157,38 @@ def test_builtin_ane_c4w_has_both_static_methods_with_every_linear_in_core_ml(bu
 
 @pytest.fixture(scope="module")
 def builtin_static_twin(tmp_path_factory):
+    """xnnpack-static-fp32 on the built-in model, export only: the tests drive it as a user does."""
     from recipes.request import RunRequest
     from recipes.run import run
 
     out = tmp_path_factory.mktemp("builtin-twin")
-    summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, max_seq_len=256, max_new_tokens=12))
+    summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, max_seq_len=256, generate=False))
     return out, summary.recipes[0]
 
 
 @pytest.mark.builtin
 def test_builtin_twin_answers_paris_through_run_static(builtin_static_twin):
+    """run_static.py's loop on the built-in model's twin gives the eager fp32 model's greedy tokens, in process and
+    as the shipped script run from the folder, which answers the default prompt with Paris."""
     import subprocess
     import sys
 
+    from models.checkpoint import load_checkpoint
+    from models.llama import ExportOptions, build_exportable
+    from recipes import generate as gen
+
     out, report = builtin_static_twin
     assert not report.errors, report.errors
-    reference, runtime = report.generations[0], report.generations[-1]
-    assert runtime.engine == "executorch-runtime" and runtime.tokens == reference.tokens
-    assert "Paris" in runtime.text
+    checkpoint = load_checkpoint(None)
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(256, attention="sdpa"),
+                              tie_output=True)
+    reference = gen.generate(gen.eager_step(module), gen.ENGINE_EAGER_FP32, checkpoint.tokenizer, gen.DEFAULT_PROMPT,
+                             12, 256, stop_ids=checkpoint.eos_token_ids)
+    shipped = _load_shipped_runner(out)
+    session = shipped.runtime_session(out / "model.pte")
+    result = shipped.generate(session, shipped.chat_prompt_ids(checkpoint.tokenizer, gen.DEFAULT_PROMPT), 12,
+                              set(session.stop_ids))
+    assert result["tokens"] == reference.tokens and "Paris" in reference.text
     answer = subprocess.run([sys.executable, str(out / "run_static.py"), "--max-new-tokens", "12"], cwd=out,
                             capture_output=True, text=True, timeout=600)
     assert answer.returncode == 0, answer.stderr[-2000:]

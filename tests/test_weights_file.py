@@ -14,9 +14,9 @@ from recipes.run import run
 PROMPT = "what is the capital of France ?"
 
 
-def _export_only(model_dir, out, weights_file, recipe="xnnpack-8da4w", max_seq_len=64):
+def _export_only(model_dir, out, weights_file, recipe="xnnpack-8da4w", max_seq_len=64, options=None):
     summary = run(RunRequest(recipes=[recipe], out_dir=out, model=model_dir and str(model_dir), max_seq_len=max_seq_len,
-                             generate=False, weights_file=weights_file))
+                             generate=False, weights_file=weights_file, options=options or {}))
     (report,) = summary.recipes
     assert not report.errors, report.errors
     return report
@@ -88,11 +88,17 @@ def test_llm_runner_gives_the_same_tokens_from_the_pair(tiny_pair_and_single, ru
     assert alone and _runner_pieces(pair, runner_llama_dir) == alone
 
 
-def test_builtin_model_pair_gives_the_runners_tokens_of_the_single_file(tmp_path):
+def test_builtin_model_pair_gives_the_runners_tokens_of_the_single_file(builtin_int8_ring_folder, tmp_path):
+    """The built-in model's pair against the single file the KV-cache tests export (the same recipe and options: an
+    int8 cache in a ring, which the pair must carry as well as the weights)."""
+    from tests.conftest import BUILTIN_RING_WINDOW
+
     model_dir = None  # the built-in SmolLM2-135M-Instruct
-    single, pair = tmp_path / "single", tmp_path / "pair"
-    _export_only(model_dir, single, False, max_seq_len=128)
-    _export_only(model_dir, pair, True, max_seq_len=128)
+    single, single_report = builtin_int8_ring_folder
+    options = {"quant_algorithm": "hqq", "kv_cache": "int8", "kv_cache_window": BUILTIN_RING_WINDOW}
+    assert single_report.recipe.options["kv_cache_window"] == BUILTIN_RING_WINDOW
+    pair = tmp_path / "pair"
+    _export_only(model_dir, pair, True, max_seq_len=single_report.recipe.max_seq_len, options=options)
     alone = _runner_pieces(single, model_dir)
     assert len(alone) > 3 and _runner_pieces(pair, model_dir) == alone
 

@@ -193,8 +193,9 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
         return {**record, "status": "failed", "stage": "run", "reason": f"{type(err).__name__}: {err}",
                 "seconds": round(time.perf_counter() - started, 1)}
     result = record_from_report(record, summary, random_weights=cell.weights == WEIGHTS_RANDOM)
-    if not keep_pte:
-        (Path(run_dir) / "model.pte").unlink(missing_ok=True)
+    if not keep_pte:  # the program and its weights file: a big model's cells would fill the disk
+        for name in ("model.pte", "model.ptd"):
+            (Path(run_dir) / name).unlink(missing_ok=True)
     return {**result, "seconds": round(time.perf_counter() - started, 1)}
 
 

@@ -26,6 +26,7 @@ PEER_QPARAMS = "hqq"
 PEER_ALGORITHM = ("--quant-algorithm", PEER_QPARAMS)
 # --scale-algorithms' name for Lowerbench's own default (no --quant-algorithm): what a user who keeps it waits
 DEFAULT_ALGORITHM = "default"
+SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 # Shapes optimum-cli is not run on, and why.
 OPTIMUM_OUT_OF_REACH = {
     "llama-3.1-8b": "optimum-cli peaked at 18.9 GB of RSS exporting Llama-3.2-3B's shape (2.5x fewer parameters) in "
@@ -39,8 +40,8 @@ def lowerbench_peer(algorithm: str) -> str:
 
 
 def algorithm_options(algorithm: str) -> tuple[str, ...]:
+    """The `recipes run` flags that export RECIPE with `algorithm`."""
     return () if algorithm == DEFAULT_ALGORITHM else ("--quant-algorithm", algorithm)
-SPEEDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
 
 
 def peer_of_engine(engine: str) -> str:

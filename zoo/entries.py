@@ -13,6 +13,11 @@ ZOO_DIR = Path(__file__).resolve().parent
 NEEDS_REAL_WEIGHTS = "needs real weights"
 
 
+def repo_slug(repo_id: str) -> str:
+    """An entry's name from its Hub repo id, where no entry file names it."""
+    return repo_id.split("/")[-1].lower()
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     repo_id: str
@@ -27,7 +32,7 @@ class ZooEntry:
 
     @property
     def slug(self) -> str:
-        return Path(self.path).stem if self.path else self.repo_id.split("/")[-1].lower()
+        return Path(self.path).stem if self.path else repo_slug(self.repo_id)
 
     def llama_config(self):
         from transformers import LlamaConfig

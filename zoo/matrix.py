@@ -16,7 +16,7 @@ from models.errors import UserFacingError
 from recipes import thread_policy
 from recipes.report import JobSummary, package_versions
 from recipes.summary import recipe_figures
-from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry
+from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry, repo_slug
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS_RANDOM = "random bf16, shape-identical"
@@ -127,12 +127,13 @@ def base_record(cell: Cell) -> dict:
     from recipes.memory_estimate import parameter_count
     from recipes.registry import get_recipe
 
+    now = time.gmtime()
     return {
         "key": cell.key, "model": cell.entry.repo_id, "recipe": cell.recipe, "backend": get_recipe(cell.recipe).backend.name,
         "params": parameter_count(cell.entry.llama_config()),
         "options": cell.options, "max_seq_len": cell.max_seq_len, "export_only": not cell.generate,
         "weights": cell.weights, "model_identity": cell.identity, "versions": cell.versions,
-        "date": time.strftime("%Y-%m-%d", time.gmtime()), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": time.strftime("%Y-%m-%d", now), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
         "cpu": cpu_name(), "cores": os.cpu_count(),
     }
 
@@ -389,7 +390,7 @@ def _model_slug(repo_id: str) -> str:
     try:
         return find_entry(repo_id).slug
     except UserFacingError:
-        return repo_id.split("/")[-1].lower()
+        return repo_slug(repo_id)
 
 
 def seed_cells(out: Path, results_path: Path) -> int:

@@ -80,9 +80,15 @@ def lowerbench_cmd(py: str, folder: Path | None, out: Path, recipe: str, max_seq
 def report_figures(report: Report) -> dict:
     """What a scale run keeps of its job's report.json."""
     return {"timings_s": report.timings.to_dict(), "memory": report.memory.to_dict() if report.memory else None,
-            "pte_bytes": report.pte.bytes if report.pte else None, "errors": [e.to_dict() for e in report.errors],
+            "pte_bytes": report.pte.bytes if report.pte else None,
+            "ptd_bytes": report.pte.ptd_bytes if report.pte else None, "errors": [e.to_dict() for e in report.errors],
             "generations": [g.to_dict() for g in report.generations],
             "fidelity": report.fidelity.to_dict() if report.fidelity else None}
+
+
+def program_bytes(run: dict) -> int | None:
+    """The program's files: the .pte, and the .ptd beside it when the job wrote its weights there."""
+    return (run.get("pte_bytes") or 0) + (run.get("ptd_bytes") or 0) or None
 
 
 def phase_scale(args, tmp: Path, py: str, root: Path, optimum_cmd, optimum_why_not, progress) -> dict:
@@ -174,7 +180,7 @@ def summarize_scale(data: dict) -> dict:
         row = {"shape": key[0], "peer": key[1], "runs": len(mine), "params": params_of(data, key[0]),
                "wall_s": round(median(r["wall_s"] for r in mine), 1),
                "peak_rss_mb": round(median(r["peak_rss_mb"] for r in mine), 1),
-               "pte_mb": round(mine[0]["pte_bytes"] / 1e6, 1) if mine[0].get("pte_bytes") else None}
+               "pte_mb": round(program_bytes(mine[0]) / 1e6, 1) if program_bytes(mine[0]) else None}
         memory = mine[0].get("memory")
         if memory:
             row["stage_peaks_mb"] = memory["peak_rss_mb_by_stage"]
@@ -243,7 +249,7 @@ def scale_ratios(data: dict) -> list[dict]:
             "default_export_wall": paired_ratio_by_run(default, lowerbench_peer(DEFAULT_ALGORITHM), "optimum",
                                                        lambda r: r["peer"], lambda r: r["wall_s"]),
             "peak_rss": export_ratio(lambda r: r["peak_rss_mb"]),
-            "pte_bytes": export_ratio(lambda r: r.get("pte_bytes")),
+            "pte_bytes": export_ratio(program_bytes),
             **{key: decode_ratio(key) for key in SPEEDS},
             **{f"runner_{key}": decode_ratio(key, in_runner) for key in SPEEDS}}}
         if any(v is not None for v in row["lowerbench_over_optimum"].values()):

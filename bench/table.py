@@ -282,7 +282,7 @@ def _floor_lines(floor: dict | None) -> list[str]:
 def scale_table(data: dict) -> list[str]:
     lines = ["### Scale (random bf16 checkpoints with the published configs; max context 512)",
              _meta_line(data["meta"]), "",
-             "| shape | peer | wall s | peak RSS MB (process tree) | estimate GB | .pte MB | stage peaks MB | runs |",
+             "| shape | peer | wall s | peak RSS MB (process tree) | estimate GB | .pte (+ .ptd) MB | stage peaks MB | runs |",
              "|---|---|---|---|---|---|---|---|"]
     for row in data["shapes"]:
         stages = ", ".join(f"{k} {v:.0f}" for k, v in (row.get("stage_peaks_mb") or {}).items())
@@ -299,7 +299,7 @@ def scale_table(data: dict) -> list[str]:
     if data.get("ratios"):
         lines += ["", "Lowerbench ÷ optimum-cli, export-only xnnpack-8da4w (with hqq, optimum's qparams; and with "
                   "Lowerbench's default algorithm), paired within each run:", "",
-                  "| shape | export wall | export wall, default algorithm | peak RSS | .pte size | prefill tok/s "
+                  "| shape | export wall | export wall, default algorithm | peak RSS | .pte (+ .ptd) size | prefill tok/s "
                   f"| decode tok/s | prefill tok/s ({RUNNER}) | decode tok/s ({RUNNER}) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in data["ratios"]:

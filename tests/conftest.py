@@ -17,8 +17,9 @@ thread_policy.limit_openmp_default()
 thread_policy.torch_threads()
 
 # The suite runs on two pytest-xdist workers (pytest.ini). Tests sharing an expensive fixture stay on one
-# worker, so it is computed once: the built-in model's run, and test_matrix.py's Ray cluster. The built-in
-# group goes first, being the longest single chain.
+# worker, so it is computed once: the built-in model's run, and test_matrix.py's Ray cluster. Workers take
+# tests in collection order, so the longest go first and the quick ones fill in at the end: the built-in
+# group (the longest single chain), then the other built-in-model tests and shared-fixture groups.
 SHARED_FIXTURE_GROUPS = {"builtin_run": "builtin", "builtin_8da4w_run": "builtin", "builtin_fp32_run": "builtin",
                          "ray_cluster": "ray", "ray_head": "ray", "builtin_int8_ring_folder": "kv-cache"}
 
@@ -29,7 +30,9 @@ def pytest_collection_modifyitems(config, items):
         groups = {SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS}
         for group in groups:
             item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: "builtin_run" not in item.fixturenames)
+    items.sort(key=lambda item: ("builtin_run" not in item.fixturenames,
+                                 item.get_closest_marker("builtin") is None
+                                 and item.get_closest_marker("xdist_group") is None))
 
 
 GOOD_TOKEN = "hf_goodTokenWithGatedAccess0123"

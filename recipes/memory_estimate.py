@@ -120,6 +120,13 @@ def _lowering_bytes(recipe, w: _Weights, pte: float, pte_lin: float, options: di
     return backend.lowering_memory_base_bytes + working + backend.lowering_memory_per_layer_bytes * w.layers
 
 
+def module_runs_again(recipe, generate: bool, layer_map: bool) -> bool:
+    """Whether a job runs the quantized module after its program is lowered: eager generation where the program
+    cannot run here, or the per-layer error map. Otherwise recipes/run.py releases it before the program is loaded,
+    and the estimate counts it no longer."""
+    return generate and (recipe.backend.cannot_run_here() is not None or layer_map)
+
+
 def _methods(recipe) -> int:
     """Programs the recipe exports and lowers together: a static recipe's prefill and decode, else one."""
     return 2 if recipe.static_io else 1
@@ -273,9 +280,9 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         }
         if reference_dtype is not None:
             runs_here = recipe.backend.cannot_run_here() is None
-            # the quantized module is released once lowered unless something runs it again (recipes/run.py:
-            # module_runs_again); the program on the runtime plans its own caches
-            kept_module = module if (needed_later or layer_map or not runs_here) else 0
+            # the quantized module is released once lowered unless something runs it again; the program on the
+            # runtime plans its own caches
+            kept_module = module if (needed_later or module_runs_again(recipe, True, layer_map)) else 0
             run["generate"] = before + kept_module + ((pte * RUNTIME_RATIO + cache) if runs_here else 0) + window_logits
             # scored a window at a time (recipes/fidelity.py: compare_step): the window's logits beside the
             # program's own output, and a few rows' float64 log-softmaxes

@@ -246,7 +246,8 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
         figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
         del program  # the lowered program is in the .pte now
-        if module is not None and not module_runs_again(recipe, request) and key not in needed_later:
+        if (module is not None and key not in needed_later
+                and not memory_estimate.module_runs_again(recipe, request.generate, request.layer_map)):
             job.prepared.pop(key, None)
             module = None
         # The export and lowering graphs are reference cycles: collected now, their memory is reused by the
@@ -259,12 +260,6 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
         report.errors.append(StageError.of(stage, err))
     return module, lowered
-
-
-def module_runs_again(recipe: Recipe, request: RunRequest) -> bool:
-    """Whether the quantized module is run after its program is lowered: eager generation where the program
-    cannot run here, or the per-layer error map. Otherwise it is released before the program is loaded."""
-    return request.generate and (recipe.backend.cannot_run_here() is not None or request.layer_map)
 
 
 def writes_data_file(recipe: Recipe, request: RunRequest, config) -> bool:

@@ -294,8 +294,13 @@ def _tracker_class():
     return CellTracker
 
 
+def cell_file(out: Path, slug: str, recipe: str, key: str) -> Path:
+    """Where a cell's record is kept: named by its model's zoo slug, its recipe and its key."""
+    return Path(out) / "cells" / f"{slug}--{recipe}--{key}.json"
+
+
 def cell_path(out: Path, cell: Cell) -> Path:
-    return out / "cells" / f"{cell.entry.slug}--{cell.recipe}--{cell.key}.json"
+    return cell_file(out, cell.entry.slug, cell.recipe, cell.key)
 
 
 def done_before(out: Path, cell: Cell) -> bool:
@@ -385,7 +390,7 @@ def latest_cells(records: list[dict]) -> list[dict]:
 
 
 def _model_slug(repo_id: str) -> str:
-    """The zoo entry's slug (what cell_path names a cell's file by); for a model the zoo no longer lists, the one an
+    """The zoo entry's slug (what cell_file names a cell's file by); for a model the zoo no longer lists, the one an
     entry file of that repo would get."""
     try:
         return find_entry(repo_id).slug
@@ -400,7 +405,7 @@ def seed_cells(out: Path, results_path: Path) -> int:
 
     written = 0
     for record in json.loads(Path(results_path).read_text())["cells"]:
-        path = Path(out) / "cells" / f"{_model_slug(record['model'])}--{record['recipe']}--{record['key']}.json"
+        path = cell_file(out, _model_slug(record["model"]), record["recipe"], record["key"])
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, json.dumps(record, indent=2).encode())

@@ -37,8 +37,9 @@ class Scheme:
     # as the pieces are built: only one piece is then ever held in float. False: on the whole module.
     layerwise: bool = True
     # Bytes per weight of linears and of the embedding: as the quantized module holds them (torchao keeps int4
-    # and int8 values in int8, plus an fp32 scale and an int8 zero point per group), and as a .pte stores them
-    # (int4 packed two to a byte with a bf16 scale per group). For memory_estimate.py.
+    # and int8 values in int8, plus a scale per group: bf16 for 8da4w, whose zero points are one shared 0, else
+    # fp32 with an int8 zero point), and as a .pte stores them (int4 packed two to a byte with a bf16 scale per
+    # group). For memory_estimate.py.
     module_bytes: tuple[float, float] = (4.0, 4.0)
     pte_bytes: tuple[float, float] = (4.0, 4.0)
     # The dtype the module is built in: its weights are read from the checkpoint straight into it, so a
@@ -101,12 +102,18 @@ def _torchao_qparams(qparams: str):
     return IntxChooseQParamsAlgorithm(qparams)
 
 
+# 8da4w's group scales are held in bf16, the precision its int4 kernels read them in: the integers are rounded
+# against the scales the program will use, and the module's scales take half the bytes.
+SCALE_DTYPE_8DA4W = torch.bfloat16
+
+
 def config_8da4w(group_size: int, qparams: str = AFFINE):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerGroup
 
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
-                                                 intx_choose_qparams_algorithm=_torchao_qparams(qparams))
+                                                 intx_choose_qparams_algorithm=_torchao_qparams(qparams),
+                                                 weight_scale_dtype=SCALE_DTYPE_8DA4W)
 
 
 def config_8da8w():
@@ -116,16 +123,20 @@ def config_8da8w():
     return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
 
 
-def int4_weight_with_scales(activation_quantization: str | None):
+def int4_weight_with_scales(activation_quantization: str | None, scale_dtype: torch.dtype | None = None):
     """(weight on the int4 grid, its group scales, block size) -> torchao's int4 weight tensor with exactly those
-    scales: how an algorithm that chooses the integers itself (GPTQ) ends in the tensor the others make."""
+    scales: how an algorithm that chooses the integers itself (GPTQ) ends in the tensor the others make.
+    scale_dtype: the scales held in that dtype (GPTQ's are bf16 values already)."""
     from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
 
     def make(weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int]):
-        return IntxUnpackedToInt8Tensor.from_hp(
+        tensor = IntxUnpackedToInt8Tensor.from_hp(
             weight, block_size, torch.int4, activation_quantization=activation_quantization,
             intx_choose_qparams_algorithm=None, custom_scale=scales,
             custom_zero_point=torch.zeros_like(scales, dtype=torch.int8))
+        if scale_dtype is not None:
+            tensor.scale = tensor.scale.to(scale_dtype)
+        return tensor
 
     return make
 
@@ -139,11 +150,27 @@ def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = 
     if units_8bit:
         quantize_(module, config_8da8w(), filter_fn=lambda m, fqn: _is_linear(m, fqn) and in_units(fqn, units_8bit))
     if ALGORITHMS[algorithm].gptq_integers:
-        apply_gptq(module, list(calibration), group_size, int4_weight_with_scales("int8_asym_per_token"))
-        return
-    with hqq_by_cache_sized_rows():
-        quantize_(module, config_8da4w(group_size, ALGORITHMS[algorithm].qparams),
-                  filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
+        apply_gptq(module, list(calibration), group_size,
+                   int4_weight_with_scales("int8_asym_per_token", SCALE_DTYPE_8DA4W))
+    else:
+        with hqq_by_cache_sized_rows():
+            quantize_(module, config_8da4w(group_size, ALGORITHMS[algorithm].qparams),
+                      filter_fn=lambda m, fqn: _is_linear(m, fqn) and not in_units(fqn, units_8bit))
+    share_zero_points(module)
+
+
+def share_zero_points(module: nn.Module) -> None:
+    """Symmetric int4 groups all have zero point 0: each linear's zero points become one 0 seen through a
+    broadcast view of their shape, not a byte per group. Every
+    reader (torchao's dequantize, torch.export, a backend's partitioner) sees the same values."""
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
+
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        if (isinstance(m, nn.Linear) and isinstance(weight, IntxUnpackedToInt8Tensor)
+                and weight.zero_point.stride() != (0,) * weight.zero_point.dim() and not weight.zero_point.any()):
+            zero = weight.zero_point
+            weight.zero_point = torch.zeros((), dtype=zero.dtype, device=zero.device).expand(zero.shape)
 
 
 def config_weight_only(bits: int, group_size: int | None, qparams: str = AFFINE):
@@ -221,7 +248,7 @@ SCHEMES: dict[str, Scheme] = {
             default_group_size=32,
             mixed_precision=True,
             int4_config=config_8da4w,
-            module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 1.0),
+            module_bytes=(1 + 2 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 1.0),
         ),
         Scheme("int4-weight", "int4 weight-only linears, group-wise (block 32); float activations",
                _int4_weight, default_group_size=32,
@@ -231,7 +258,7 @@ SCHEMES: dict[str, Scheme] = {
                module_bytes=(1.0, 4.0), pte_bytes=(1.0, 4.0)),
         Scheme("8da4w-emb4", "as 8da4w, with 4-bit embeddings", _8da4w_emb4, default_group_size=32,
                mixed_precision=True, int4_config=config_8da4w,
-               module_bytes=(1 + 5 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
+               module_bytes=(1 + 2 / 32, 1.0), pte_bytes=(0.5 + 2 / 32, 0.5)),
         Scheme("8da8w", "int8 dynamic activations, int8 per-channel weights on linears; 8-bit embeddings", _8da8w,
                module_bytes=(1.0, 1.0), pte_bytes=(1.0, 1.0)),
         # The Neural Engine's int4: one scale per output channel (it takes no block-wise int4), fp16 otherwise.

@@ -238,3 +238,31 @@ def test_fused_qkv_quantizes_exactly_as_three_linears(tiny_checkpoint):
     with torch.no_grad():
         expected = torch.cat([separate_attn.q_proj(x), separate_attn.k_proj(x), separate_attn.v_proj(x)], dim=-1)
         assert torch.allclose(fused_attn.qkv_proj(x), expected, atol=1e-5, rtol=0)
+
+
+def test_8da4w_holds_bf16_scales_and_one_shared_zero_point(tiny_checkpoint):
+    """8da4w's int4 linears keep their group scales in bf16 (what XNNPACK's kernels read) with integers rounded
+    against those scales, and their all-zero zero points as one broadcast 0; the module computes what it did with
+    every zero point stored."""
+    from torchao.quantization.quant_primitives import quantize_affine
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
+
+    from quant.schemes import apply_scheme
+
+    module = _tiny_module(tiny_checkpoint)
+    floats = {name: m.weight.detach().clone() for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    apply_scheme(module, "8da4w", group_size=32, algorithm="minmax")
+    tokens, position = torch.tensor([[3, 5, 7]]), torch.tensor([0])
+    with torch.no_grad():
+        shared = module(tokens, position).clone()
+    linears = {name: m for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears
+    for name, linear in linears.items():
+        weight = linear.weight
+        assert isinstance(weight, IntxUnpackedToInt8Tensor) and weight.scale.dtype == torch.bfloat16, name
+        assert weight.zero_point.untyped_storage().nbytes() == 1 and not weight.zero_point.any(), name
+        expected = quantize_affine(floats[name], weight.block_size, weight.scale, weight.zero_point, torch.int8, -8, 7)
+        assert torch.equal(weight.qdata, expected), name
+        weight.zero_point = weight.zero_point.contiguous()  # every group's zero point stored, as torchao makes them
+    with torch.no_grad():
+        assert torch.equal(module(tokens, position), shared)

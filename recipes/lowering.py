@@ -253,14 +253,89 @@ def spill_to_files(output, spill_dir: Path, external_tag: str | None):
     return NamedDataStoreOutput(buffers, pte_data, external)
 
 
+# While a lowering frees its weights as they are packed (free_weights_once_packed): the memory (a storage's
+# address) of each weight that one delegate alone reads, which its backend's preprocessing frees once it has
+# packed it (spill_named_data).
+_freed_once_packed: set[int] = set()
+
+
+def _storage_key(value) -> int:
+    """Tensors that alias one memory (the exported program's weights and the edge program's views of them)
+    share it: they are one weight. 0 for what holds no memory of its own."""
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return 0
+    try:
+        return value.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors own no memory
+        return 0
+
+
+def _sole_partition_weights(method_to_submodule_nodes: dict, method_to_tagged_program: dict) -> set[int]:
+    """The memory of the weights that exactly one partition reads and the program keeps no other use of: each
+    partition's program holds the constants its delegate consumes (ExecuTorch deletes them from the program
+    being lowered); memory that two partitions, or the rest of the program, still read is left alone."""
+    readers: Counter = Counter()
+    kept: set[int] = set()
+    for method, nodes in method_to_submodule_nodes.items():
+        consumed = set()
+        for node in nodes:
+            consumed |= {spec.target for spec in node.meta["toplevel_input_specs_to_delete"].values()}
+            program = node.meta["submodule_program"]
+            readers.update({_storage_key(v) for v in (*program.state_dict.values(), *program.constants.values())})
+        top = method_to_tagged_program[method]
+        kept |= {_storage_key(value) for values in (top.state_dict, top.constants) for name, value in values.items()
+                 if name not in consumed}
+    return {key for key, count in readers.items() if key and count == 1 and key not in kept}
+
+
+@contextmanager
+def free_weights_once_packed():
+    """Lowering a program whose weights nothing reads afterwards (not even the module it was exported from):
+    each delegate's weights are freed as soon as its backend has packed them, instead of all waiting until the
+    whole program is lowered, so the packing of the last partitions happens beside the few weights left."""
+    from executorch.exir.backend import backend_api
+
+    original = backend_api.lower_all_submodules_to_backend
+
+    def lower_all(backend_id, method_to_submodule_nodes, method_to_tagged_program):
+        _freed_once_packed.update(_sole_partition_weights(method_to_submodule_nodes, method_to_tagged_program))
+        try:
+            return original(backend_id, method_to_submodule_nodes, method_to_tagged_program)
+        finally:
+            _freed_once_packed.clear()
+
+    backend_api.lower_all_submodules_to_backend = lower_all
+    try:
+        yield
+    finally:
+        backend_api.lower_all_submodules_to_backend = original
+
+
+def _free_packed(edge_program: torch.export.ExportedProgram) -> None:
+    """The partition's weights that free_weights_once_packed marked, freed: their memory is given back (every
+    alias of it, the exported program's included, then holds none), and the partition's own tensors become one
+    broadcast 0 of the same shape and dtype, which the serializer may still trace."""
+    for value in (*edge_program.state_dict.values(), *edge_program.constants.values()):
+        key = _storage_key(value)
+        if key in _freed_once_packed:
+            _freed_once_packed.discard(key)
+            memory = value.untyped_storage()
+            with torch.no_grad():
+                value.set_(torch.zeros((), dtype=value.dtype, device=value.device).untyped_storage(), 0,
+                           value.shape, (0,) * value.dim())
+            memory.resize_(0)
+
+
 def spill_named_data(backend_details: type, spill_dir: Path, external_tag: str | None) -> Callable[[], None]:
     """`backend_details` (a BackendDetails class whose preprocess puts its weights in ExecuTorch's named data
     store) hands each delegate's weights to files as soon as that delegate is packed (spill_to_files), so no
-    packed copy of the model waits in memory for the .pte to be written. Returns the undo."""
+    packed copy of the model waits in memory for the .pte to be written; under free_weights_once_packed the
+    weights it packed are freed then too. Returns the undo."""
     original = backend_details.preprocess
 
     def preprocess(edge_program, compile_specs):
         result = original(edge_program, compile_specs)
+        _free_packed(edge_program)
         if result.data_store_output is not None:
             try:
                 result.data_store_output = spill_to_files(result.data_store_output, spill_dir, external_tag)
@@ -315,6 +390,7 @@ def lower_to_pte(
     consume_program: bool = False,
     ptd_path: Path | None = None,
     named_data_context: Callable[[Path, str | None], ContextManager] | None = None,
+    free_weights_as_packed: bool = False,
 ) -> LoweredProgram:
     """program: one ExportedProgram (the .pte's `forward`), or {method name: ExportedProgram} for a .pte of
     several methods (a static recipe's prefill and decode), lowered together so a backend may share their weights.
@@ -332,7 +408,10 @@ def lower_to_pte(
     ptd_path: write the delegates' weights there, an ExecuTorch data file beside the .pte, instead of into it.
     named_data_context: the backend's (Backend.named_data_context); with it and a pte_path, each delegate's
     weights go to files in a scratch folder beside the .pte as soon as it is packed, and from there into the
-    .pte or the .ptd."""
+    .pte or the .ptd.
+    free_weights_as_packed: with consume_program, nothing at all reads the program's weights after lowering (no
+    module it was exported from is kept either): under a named_data_context each delegate's weights are freed as
+    soon as it is packed (free_weights_once_packed)."""
     if ptd_path is not None and (named_data_context is None or pte_path is None):
         raise ValueError("a .ptd needs a backend that keeps its weights in ExecuTorch's named data, and a pte_path")
     with contextlib.ExitStack() as stack:
@@ -341,6 +420,8 @@ def lower_to_pte(
             Path(pte_path).parent.mkdir(parents=True, exist_ok=True)
             spill_dir = stack.enter_context(tempfile.TemporaryDirectory(dir=Path(pte_path).parent, prefix=".named-data-"))
             stack.enter_context(named_data_context(Path(spill_dir), data_file_tag(ptd_path) if ptd_path else None))
+            if free_weights_as_packed and consume_program and not generate_etrecord:
+                stack.enter_context(free_weights_once_packed())
         try:
             return _lower(program, partitioners, transform_passes, compile_config, constant_methods,
                           before_serialize, generate_etrecord, pte_path, consume_program and not generate_etrecord,

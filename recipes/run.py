@@ -242,7 +242,7 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
                 module = None
             lowered = lower_for_backend(program, recipe, options, constant_methods=metadata,
                                         generate_etrecord=request.etrecord, pte_path=recipe_dir / PTE_NAME,
-                                        ptd_path=ptd_path, consume_program=True)
+                                        ptd_path=ptd_path, consume_program=True, free_weights_as_packed=module is None)
         figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
         figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
         del program  # the lowered program is in the .pte now

@@ -212,3 +212,70 @@ def test_serialize_stage_holds_no_packed_weights_in_memory(monkeypatch, tmp_path
     packed = lowered.ptd_bytes
     assert packed > 3e6 and seen
     assert seen["python_large"] + seen["tensors"] < packed / 2, (seen, packed)
+
+
+def _small_llama_program(recipe, tie: bool = False, quantize: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.llama import build_exportable
+    from quant.schemes import apply_scheme
+    from recipes import lowering
+
+    config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    module = build_exportable(config, LlamaForCausalLM(config).state_dict(), recipe.export_options(64))
+    if quantize:
+        apply_scheme(module, "8da4w", group_size=32, algorithm="minmax")
+    with torch.no_grad():
+        eager = module(torch.tensor([[5, 17, 40, 3, 60, 41]]), torch.tensor([0]))[0].clone()
+    return lowering.export_program(module, 64, strict=recipe.backend.strict_export), eager
+
+
+def test_each_delegates_weights_are_freed_once_packed_and_the_program_is_the_same(monkeypatch, tmp_path):
+    """With free_weights_as_packed, once the last delegate is packed the live tensors hold less than a tenth of
+    what they hold without it (the quantized weights, each delegate's freed as it was packed), and the .pte and
+    .ptd are byte for byte those of a lowering that frees nothing."""
+    from recipes import lowering
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("xnnpack-8da4w")
+    live_after_packing = {}
+    original = lowering._free_packed
+
+    def measured(edge_program, _mode):
+        original(edge_program)
+        gc.collect()
+        live_after_packing[_mode] = _live_tensor_bytes(already_alive)
+
+    gc.collect()
+    already_alive = _live_storage_pointers()
+    lowered = {}
+    for mode in (False, True):
+        program, _ = _small_llama_program(recipe)
+        monkeypatch.setattr(lowering, "_free_packed", lambda ep, _mode=mode: measured(ep, _mode))
+        folder = tmp_path / str(mode)
+        lowered[mode] = lowering.lower_for_backend(program, recipe, {}, pte_path=folder / "model.pte",
+                                                   ptd_path=folder / "model.ptd", consume_program=True,
+                                                   free_weights_as_packed=mode)
+        del program
+        gc.collect()
+    # two decoder layers' int4 values alone, one byte each, are 6 MB
+    assert live_after_packing[False] > 6e6 and live_after_packing[True] < live_after_packing[False] / 10, live_after_packing
+    assert (lowered[True].pte_sha256, lowered[True].ptd_sha256) == (lowered[False].pte_sha256, lowered[False].ptd_sha256)
+
+
+def test_a_weight_also_read_outside_the_delegates_is_not_freed(tmp_path):
+    """Tied embeddings in fp32: one weight read by the embedding (outside XNNPACK) and by the output layer (inside).
+    Freeing the delegates' weights as they are packed leaves it whole: the runtime computes the eager logits."""
+    from recipes import generate, lowering
+    from recipes.registry import get_recipe
+
+    recipe = get_recipe("xnnpack-fp32")
+    program, eager = _small_llama_program(recipe, tie=True, quantize=False)
+    lowering.lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte", consume_program=True,
+                               free_weights_as_packed=True)
+    del program
+    _program, method = generate.load_runtime_method(tmp_path / "model.pte", ("executorch.extension.llm.custom_ops.custom_ops",))
+    logits = method.execute([torch.tensor([[5, 17, 40, 3, 60, 41]]), torch.tensor([0])])[0]
+    assert torch.allclose(logits.reshape(eager.shape), eager, atol=1e-4, rtol=1e-4)

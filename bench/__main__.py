@@ -14,7 +14,9 @@
     python3 -m bench --phases runner --runs 5       (ExecuTorch's LLM runner on Lowerbench's and optimum's .pte,
                                                      and the Python step loop on both, bench/runner.py)
     python3 -m bench --phases kv --runs 3           (the LLM runner at positions 512, 2048 and 8192 of one long
-                                                     context, fp32 and int8 KV caches and optimum's .pte, bench/kv.py)
+                                                     context, fp32 and int8 KV caches and optimum's .pte, bench/kv.py;
+                                                     --kv-shape llama-3.2-1b --scale-dir DIR for that shape, in
+                                                     kv-llama-3.2-1b.json)
     python3 -m bench --phases kv-fidelity --runs 1  (each KV cache dtype against the fp32 cache at contexts 512
                                                      and 2048, on the runtime, bench/kv_fidelity.py)
 
@@ -424,18 +426,28 @@ def summarize_floor(data: dict, engines: dict) -> dict | None:
 KV_CONTEXT = 8192  # the built-in model's own max_position_embeddings
 
 
+def kv_results_name(shape: str) -> str:
+    """The kv phase's results file (without .json): kv for the built-in model, kv-<shape> for another shape."""
+    return "kv" if shape == kv.BUILTIN_SHAPE else f"kv-{shape}"
+
+
 def phase_kv(args, hf: Path) -> dict:
     """xnnpack-8da4w at a context of KV_CONTEXT with fp32 and int8 caches (optimum's HQQ qparams, as the other
     peer comparisons), and optimum's .pte of the same context, in ExecuTorch's LLM runner at each position of
-    bench/kv.py, programs in turn within each run; and the runner's process without a program (its RSS floor)."""
+    bench/kv.py, programs in turn within each run; and the runner's process without a program (its RSS floor).
+    The built-in model, or --kv-shape's random checkpoint (bench/scale_models.py, under --scale-dir)."""
     log_dir = TMP / "logs"
+    suffix = kv_results_name(args.kv_shape).removeprefix("kv")
+    if args.kv_shape != kv.BUILTIN_SHAPE:
+        hf = scale.checkpoint_folder(args.kv_shape, Path(args.scale_dir))
     programs, skipped, exports = {}, {}, []
     for name, cache in zip(kv.PROGRAMS, ("fp32", "int8")):
-        out = TMP / f"kv-{cache}"
+        out = TMP / f"kv-{cache}{suffix}"
         if not (out / "model.pte").is_file():
             cmd = [PY, "-m", "recipes", "run", "--model", str(hf), "--recipe", RECIPE, *PEER_ALGORITHM, "--kv-cache",
                    cache, "--max-seq-len", str(KV_CONTEXT), "--export-only", "--no-profile", "--out", str(out)]
-            record = run_measured(cmd, log_dir / f"kv-export-{cache}.log", cwd=ROOT, timeout_s=args.export_timeout)
+            record = run_measured(cmd, log_dir / f"kv-export-{cache}{suffix}.log", cwd=ROOT,
+                                  timeout_s=args.export_timeout)
             exports.append({"program": name, "returncode": record["returncode"], "wall_s": record["wall_s"],
                             "peak_rss_mb": record["peak_rss_mb"]})
             _progress(f"kv export {name}: rc {record['returncode']}, {record['wall_s']} s")
@@ -446,9 +458,9 @@ def phase_kv(args, hf: Path) -> dict:
     tokenizer_json = next((p.parent / "tokenizer.json" for p in programs.values()), None)
     why_not = optimum_available() or ("skipped with --skip" if kv.OPTIMUM in args.skip else None)
     if why_not is None:
-        out = TMP / f"optimum-export-{KV_CONTEXT}"
+        out = TMP / f"optimum-export-{KV_CONTEXT}{suffix}"
         if not (out / "model.pte").is_file():
-            record = run_measured(optimum_export_cmd(hf, out, KV_CONTEXT), log_dir / "kv-export-optimum.log",
+            record = run_measured(optimum_export_cmd(hf, out, KV_CONTEXT), log_dir / f"kv-export-optimum{suffix}.log",
                                   cwd=ROOT, timeout_s=args.export_timeout)
             exports.append({"program": kv.OPTIMUM, "returncode": record["returncode"], "wall_s": record["wall_s"],
                             "peak_rss_mb": record["peak_rss_mb"]})
@@ -472,9 +484,9 @@ def phase_kv(args, hf: Path) -> dict:
                                                    "--context", str(KV_CONTEXT), "--threads", str(args.threads)]
     if args.peers:  # only these engines; the phase's other runs stay in kv.json (save_phase)
         engines = {name: cmd for name, cmd in engines.items() if name in args.peers}
-    runs = run_interleaved("kv", engines, args.runs, log_dir)
+    runs = run_interleaved(kv_results_name(args.kv_shape), engines, args.runs, log_dir)
     return {"skipped": skipped, "runs": runs, "exports": exports,
-            "settings": {"context": KV_CONTEXT, "positions": list(kv.POSITIONS), "new_tokens": kv.NEW_TOKENS,
+            "settings": {"shape": args.kv_shape, "context": KV_CONTEXT, "positions": list(kv.POSITIONS), "new_tokens": kv.NEW_TOKENS,
                          "threads": args.threads, "recipe": RECIPE, "quant_algorithm": PEER_ALGORITHM[1],
                          "greedy": True, "programs": {k: str(v) for k, v in programs.items()},
                          "tokenizer_json": str(tokenizer_json), "versions": versions()}}
@@ -555,11 +567,11 @@ def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
         meta["earlier_meta"] = old["meta"]
 
 
-def save_phase(name: str, meta: dict, result: dict) -> None:
-    """With --peers, runs of the other peers already in <phase>.json are kept, so a phase can be filled
-    in piece by piece (each run record keeps its own time and load average)."""
+def save_phase(name: str, meta: dict, result: dict, file_name: str | None = None) -> None:
+    """With --peers, runs of the other peers already in <phase>.json (or <file_name>.json) are kept, so a phase
+    can be filled in piece by piece (each run record keeps its own time and load average)."""
     _run, summarize, key = PHASES[name]
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{file_name or name}.json"
     if meta["peers"] and path.is_file() and name not in ("scale", "front"):
         old = json.loads(path.read_text())
         kept = [r for r in old["runs"] if str(r[key]) not in meta["peers"]]
@@ -607,6 +619,9 @@ def main() -> None:
                         help="versions phase: the shapes whose .pte each install also decodes")
     parser.add_argument("--scale-memory-gb", type=float, default=12.0,
                         help="scale phase: shapes whose export-only estimate is higher are not run")
+    parser.add_argument("--kv-shape", default=kv.BUILTIN_SHAPE,
+                        help="kv phase: the built-in model, or a shape of bench/scale_models.py (random weights, "
+                        "checkpoint under --scale-dir; results in kv-<shape>.json)")
     parser.add_argument("--front-shapes", default="smollm2-135m,llama-3.2-1b",
                         help="front phase: the built-in model (full jobs) and shapes of bench/scale_models.py "
                         "(export-only, random weights; checkpoints under --scale-dir)")
@@ -637,7 +652,7 @@ def main() -> None:
         args.phase_meta = meta  # a phase that saves as it goes (front) saves under the same meta
         result = PHASES[name][0](args, hf)
         meta["load_average_after"] = load_average()
-        save_phase(name, meta, result)
+        save_phase(name, meta, result, kv_results_name(args.kv_shape) if name == "kv" else None)
         table.write_all(RESULTS)
     print((RESULTS / "README.md").read_text())
 

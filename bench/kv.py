@@ -26,6 +26,7 @@ from recipes import thread_policy
 if __name__ == "__main__":
     thread_policy.limit_openmp_default()
 
+BUILTIN_SHAPE = "smollm2-135m"  # the built-in model's shape (bench/scale.py names it so)
 POSITIONS = (512, 2048, 8192)
 NEW_TOKENS = 64
 PROGRAMS = ("fp32 cache", "int8 cache")  # xnnpack-8da4w with --kv-cache fp32 / int8

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from bench.front import is_default
-from bench.kv import ATTENTION, FLOOR, OPTIMUM, PROGRAMS
+from bench.kv import ATTENTION, BUILTIN_SHAPE, FLOOR, OPTIMUM, PROGRAMS
 from bench.runner import RUNNER
 from bench.scale import params_of
 
@@ -468,7 +468,9 @@ def kv_table(data: dict) -> list[str]:
     """bench/kv.py: the LLM runner at positions of one long context, fp32 and int8 caches and optimum's .pte."""
     s, rows = data["settings"], data["rows"]
     fp32, int8 = PROGRAMS
-    lines = [f"### KV cache in ExecuTorch's LLM runner ({s['recipe']}, {s['quant_algorithm']} qparams, context "
+    shape = s.get("shape", BUILTIN_SHAPE)
+    model = "the built-in model" if shape == BUILTIN_SHAPE else f"{shape}'s shape, random weights"
+    lines = [f"### KV cache in ExecuTorch's LLM runner: {model} ({s['recipe']}, {s['quant_algorithm']} qparams, context "
              f"{s['context']}, {s['new_tokens']} new tokens ending at each position, greedy, {s['threads']} threads)",
              _meta_line(data["meta"], "median of the runs per figure, programs in turn at each position, each "
                                       "measurement its own process"), "",
@@ -541,6 +543,8 @@ def write_all(results: Path) -> None:
     for name, render in (("decode", decode_table), ("runner", runner_table), ("export", export_table),
                          ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table),
                          ("versions", versions_table), ("front", front_table), ("kv", kv_table),
+                         *((path.stem, kv_table) for path in sorted(results.glob("kv-*.json"))
+                           if path.stem != "kv-fidelity"),
                          ("kv-fidelity", kv_fidelity_table)):
         path = results / f"{name}.json"
         if not path.is_file():

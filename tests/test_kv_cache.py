@@ -296,9 +296,17 @@ def _chat_turns(folder, questions: list[str], max_new_tokens: int) -> list[dict]
                                              tokenize=False)
         text = ("<|im_end|>\n" if i else "") + text  # the runner does not feed the end of turn it stopped on
         pieces, stats = [], []
-        with _stdout_silenced():
-            runner.generate(text, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, echo=False),
-                            token_callback=pieces.append, stats_callback=stats.append)
+        try:
+            with _stdout_silenced():
+                runner.generate(text, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, echo=False),
+                                token_callback=pieces.append, stats_callback=stats.append)
+        except UnicodeDecodeError:
+            # The Python binding cannot pass on a token that is part of a character (a byte of a Greek letter, say);
+            # the C++ runner keeps its position and the next turn goes on from there. The turn ends at that token.
+            turns.append({"question": question, "answer": "".join(pieces), "not_whole_utf8": True,
+                          "prompt_tokens": len(tokenizer(text, add_special_tokens=False).input_ids),
+                          "generated_tokens": len(pieces) + 1})
+            continue
         figures = json.loads(stats[0].to_json_string())
         turns.append({"question": question, "answer": "".join(pieces), "prompt_tokens": figures["prompt_tokens"],
                       "generated_tokens": figures["generated_tokens"]})
@@ -347,13 +355,15 @@ def test_builtin_ring_cache_chats_on_past_its_window_in_the_llm_runner(builtin_i
     tokens), more than 3 windows of tokens generated: no error, no answer in a repetition loop, and the answers
     still name capitals after many laps of the ring. Answers stop at 40 tokens: past that, with 4 sinks and 64
     recent tokens, an answer no longer sees its own question, and the 135M model then repeats a phrase (Ireland's
-    answer did at 64 tokens). Measured (hqq qparams, int8 cache): 260 tokens generated over 1038 positions, 15 of
-    the 20 right (6 of the last 8), 17 to 18 ending on their own; most misses repeat an earlier answer's country (Russia
-    -> Canada's)."""
+    answer did at 64 tokens). Measured (hqq qparams, int8 cache, bf16 group scales): 13 of the 20 right (6 of the
+    last 8), 17 ending on their own; most misses repeat an earlier answer's country (Russia -> Canada's). Greece's
+    answer starts in Greek letters, a token that is part of a character, which the runner's Python binding cannot
+    pass on: such a turn ends there, the conversation going on, and counts as wrong."""
     from tests.conftest import BUILTIN_RING_WINDOW
 
     folder, _report = builtin_int8_ring_folder
     turns = _chat_turns(folder, [f"What is the capital of {country}?" for country in CAPITALS], 40)
+    assert sum(t.get("not_whole_utf8", False) for t in turns) <= 2, turns
     generated = sum(t["generated_tokens"] for t in turns)
     positions = sum(t["prompt_tokens"] + t["generated_tokens"] for t in turns)
     assert generated >= 3 * BUILTIN_RING_WINDOW and positions > 10 * BUILTIN_RING_WINDOW

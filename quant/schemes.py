@@ -161,8 +161,8 @@ def quantize_linears_8da4w(module: nn.Module, group_size: int, algorithm: str = 
 
 def share_zero_points(module: nn.Module) -> None:
     """Symmetric int4 groups all have zero point 0: each linear's zero points become one 0 seen through a
-    broadcast view of their shape, not a byte per group. Every
-    reader (torchao's dequantize, torch.export, a backend's partitioner) sees the same values."""
+    broadcast view of their shape, not a byte per group. Every reader (torchao's dequantize, torch.export, a
+    backend's partitioner) sees the same values."""
     from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
 
     for m in module.modules():

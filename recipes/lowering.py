@@ -189,6 +189,11 @@ def copy_sharing_weights(edge_program: torch.export.ExportedProgram) -> torch.ex
     return copy.deepcopy(edge_program, shared)
 
 
+def stand_in(value: torch.Tensor) -> torch.Tensor:
+    """One 0 seen through a broadcast view of value's shape, dtype and device: what a released weight becomes."""
+    return torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
+
+
 def release_weights(program: torch.export.ExportedProgram) -> None:
     """Replaces the program's parameters by stand-ins of the same shape, dtype and device that hold one element
     (a broadcast view), so what else held the weights alone is freed. For a program whose values are never read
@@ -198,9 +203,8 @@ def release_weights(program: torch.export.ExportedProgram) -> None:
     for name in program.graph_signature.parameters:
         value = program.state_dict.get(name)
         if isinstance(value, torch.Tensor) and value.numel() > 1:
-            stand_in = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
-            program.state_dict[name] = (torch.nn.Parameter(stand_in, requires_grad=False)
-                                        if isinstance(value, torch.nn.Parameter) else stand_in)
+            program.state_dict[name] = (torch.nn.Parameter(stand_in(value), requires_grad=False)
+                                        if isinstance(value, torch.nn.Parameter) else stand_in(value))
 
 
 def release_lowered_weights(program: torch.export.ExportedProgram | dict, edge) -> None:
@@ -313,16 +317,15 @@ def free_weights_once_packed():
 
 def _free_packed(edge_program: torch.export.ExportedProgram) -> None:
     """The partition's weights that free_weights_once_packed marked, freed: their memory is given back (every
-    alias of it, the exported program's included, then holds none), and the partition's own tensors become one
-    broadcast 0 of the same shape and dtype, which the serializer may still trace."""
+    alias of it, the exported program's included, then holds none), and the partition's own tensors become their
+    stand-ins, which the serializer may still trace."""
     for value in (*edge_program.state_dict.values(), *edge_program.constants.values()):
         key = _storage_key(value)
         if key in _freed_once_packed:
             _freed_once_packed.discard(key)
             memory = value.untyped_storage()
             with torch.no_grad():
-                value.set_(torch.zeros((), dtype=value.dtype, device=value.device).untyped_storage(), 0,
-                           value.shape, (0,) * value.dim())
+                value.set_(stand_in(value))
             memory.resize_(0)
 
 

@@ -131,7 +131,8 @@ class UnitQuantizer:
     of the unit (AWQ's scales for a decoder layer, quant.awq.AwqAsBuilt), then the scheme's."""
 
     def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int,
-                 around_search: Callable[[], ContextManager] = contextlib.nullcontext):
+                 around_search: Callable[[], ContextManager] = contextlib.nullcontext,
+                 around_scheme: Callable[[], ContextManager] = contextlib.nullcontext):
         if not quantizes_by_unit(scheme, options):
             raise ValueError(f"{scheme} with {options} quantizes the whole float module: use quantize_module")
         self.scheme, self.group_size = scheme, options.get("group_size")
@@ -143,6 +144,9 @@ class UnitQuantizer:
         # (the search's candidates come back at the same sizes, so what it frees can be reused and returned
         # before the next unit)
         self.around_search = around_search
+        # entered around the scheme's quantization of each unit: the caller's heap policy (HQQ's fit asks for and
+        # frees blocks of the same sizes thousands of times a unit)
+        self.around_scheme = around_scheme
         if transforms_by_unit(scheme, options):
             algorithm = ALGORITHMS[self.algorithm]
             windows = calibration_windows(tokenizer, max_seq_len) if algorithm.calibrated else []
@@ -156,7 +160,8 @@ class UnitQuantizer:
             with self.around_search():
                 self.transform(unit, module)
             self._transform_seconds += time.perf_counter() - started
-        apply_scheme_by_rows(unit, self.scheme, self.group_size, algorithm=self.algorithm)
+        with self.around_scheme():
+            apply_scheme_by_rows(unit, self.scheme, self.group_size, algorithm=self.algorithm)
 
     @property
     def seconds(self) -> dict:

@@ -14,6 +14,11 @@
    activations and dequantized weights come back at the same sizes every pass, and a fresh mapping for each costs
    a page fault per 4 KiB page, which there outweighs the arithmetic. The heap keeps them for reuse during the
    stage and gives back what is free when it ends.
+4. `keeping_freed_heap()`, around quantizing a unit: HQQ's fit runs a few dozen ops on a cache-sized block of
+   rows, thousands of blocks a unit, each op's result below the mmap threshold and so from the heap. With glibc's
+   stock trim threshold every free at the top of the heap hands those pages back, and the next op faults them in
+   again; how often depends on what earlier stages left in the heap (after AWQ's search, nearly every op). Kept
+   for the unit, the same pages serve every block, and the fit runs at the speed of its arithmetic.
 
 Other C libraries (macOS, musl) are left as they are.
 """
@@ -65,6 +70,22 @@ def reusing_large_blocks():
         yield
     finally:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, STOCK_TRIM_THRESHOLD_BYTES)
+        libc.malloc_trim(0)
+
+
+@contextmanager
+def keeping_freed_heap():
+    """What is freed at the top of the heap stays there for the block, where unmap_large_blocks applied; it goes
+    back when the block ends. Large blocks keep their own mappings."""
+    libc = _glibc()
+    if not _fixed or libc is None:
+        yield
+        return
+    libc.mallopt(M_TRIM_THRESHOLD, 2 * REUSE_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
         libc.mallopt(M_TRIM_THRESHOLD, STOCK_TRIM_THRESHOLD_BYTES)
         libc.malloc_trim(0)
 

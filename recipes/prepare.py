@@ -77,7 +77,8 @@ def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max
     if quantizes_by_unit(recipe.quantization, options):
         # the quantized units kept between AWQ's searches must not pin the blocks a search frees
         quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, max_seq_len,
-                                  around_search=malloc_policy.reusing_large_blocks)
+                                  around_search=malloc_policy.reusing_large_blocks,
+                                  around_scheme=malloc_policy.keeping_freed_heap)
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options, transform_unit=quantizer,
                                   output_first=True)
         section, seconds = quantizer.section(module), quantizer.seconds

@@ -25,10 +25,15 @@ print(json.dumps({"applied": applied, "retained_mib": (rss() - before) / 2**20})
 """
 
 
-def _retained(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], check=True, capture_output=True, text=True,
+def _probe_figures(probe: str, *args: str) -> dict:
+    """The JSON a probe prints last, run in a fresh interpreter from the repository's root."""
+    out = subprocess.run([sys.executable, "-c", probe, *args], check=True, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _retained(mode: str) -> dict:
+    return _probe_figures(PROBE, mode)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the policy is glibc's")
@@ -63,9 +68,38 @@ print(json.dumps({"mapped": mapped, "reused": reused,
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the policy is glibc's")
 def test_a_pass_after_pass_stage_reuses_its_blocks_and_gives_them_back_when_it_ends():
-    out = subprocess.run([sys.executable, "-c", REUSE_PROBE], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = _probe_figures(REUSE_PROBE)
     assert figures["mapped"] > 50_000  # a zeroed page per 4 KiB, every pass
     assert figures["reused"] < figures["mapped"] / 20
     assert figures["retained_mib"] < 20
+
+
+KEEP_PROBE = """
+import json, resource
+from recipes import malloc_policy
+malloc_policy.unmap_large_blocks()
+import psutil, torch
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+with malloc_policy.reusing_large_blocks():  # a search before, whose end sets the stock trim threshold
+    torch.ones(8 << 20).add_(1)
+def fit():  # an HQQ fit's shape: ops on 512 KiB blocks, each result below the mmap threshold, freed again
+    start = faults()
+    for _ in range(200):
+        w = torch.ones(1 << 17)
+        (w / 3).round_().clamp_(-8, 7).mul_(w).sum()
+    return faults() - start
+trimmed = fit()
+before = psutil.Process().memory_info().rss
+with malloc_policy.keeping_freed_heap():
+    kept = fit()
+print(json.dumps({"trimmed": trimmed, "kept": kept,
+                  "retained_mib": (psutil.Process().memory_info().rss - before) / 2**20}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the policy is glibc's")
+def test_quantizing_a_unit_keeps_its_freed_heap_pages_and_gives_them_back_after():
+    figures = _probe_figures(KEEP_PROBE)
+    assert figures["trimmed"] > 5_000  # the freed top of the heap handed back, and faulted in again, every op
+    assert figures["kept"] < figures["trimmed"] / 20
+    assert figures["retained_mib"] < 10

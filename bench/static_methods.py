@@ -29,12 +29,13 @@ def lower_once(recipe_name: str, methods: list[str], model: str | None, max_seq_
     from models.checkpoint import load_checkpoint
     from models.llama import build_exportable
     from quant.quantize import UnitQuantizer, cast_quantized
-    from recipes import rss
+    from recipes import malloc_policy, rss
     from recipes.lowering import lower_for_backend
     from recipes.registry import get_recipe
     from recipes.request import recipe_options
     from recipes.static_program import export_methods, static_form, static_metadata
 
+    malloc_policy.unmap_large_blocks()  # as a job does where it starts (recipes/run.py)
     recipe = get_recipe(recipe_name)
     options = recipe_options(recipe, OPTIONS)
     checkpoint = load_checkpoint(model)

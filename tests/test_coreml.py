@@ -181,10 +181,10 @@ def test_the_chunked_fp16_overflow_check_answers_as_coremltools_own_and_is_undon
     import numpy as np
     from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
 
-    from recipes.backends.coreml import OVERFLOW_CHECK_CHUNK, lowering_patches, overflows_fp16
+    from recipes.backends.coreml import CHECK_CHUNK_ELEMENTS, lowering_patches, overflows_fp16
 
     own = FP16ComputePrecision.fp16_overflow
-    big = np.zeros(3 * OVERFLOW_CHECK_CHUNK + 5, dtype=np.float32)
+    big = np.zeros(3 * CHECK_CHUNK_ELEMENTS + 5, dtype=np.float32)
     cases = {"small": np.float32([[1.0, -2.0], [65504, -65504]]), "overflow": np.float32([[1.0, 70000.0]]),
              "infinities only": np.float32([-np.inf, 1e39, 3.0]), "nan": np.float32([np.nan, 1.0]),
              "scalar": np.float32(-1e5), "last chunk": np.concatenate([big, np.float32([-66000.0])]), "zeros": big}
@@ -196,3 +196,69 @@ def test_the_chunked_fp16_overflow_check_answers_as_coremltools_own_and_is_undon
     with lowering_patches():
         assert FP16ComputePrecision.fp16_overflow is not own
     assert FP16ComputePrecision.fp16_overflow is own
+
+
+def test_joining_two_methods_compares_their_weights_by_chunks_with_numpys_answers():
+    """The comparison by which coremltools finds the weights a static recipe's two methods share goes by chunks
+    inside a Core ML lowering: numpy's answer on every kind of pair, and numpy's own function after."""
+    import sys
+
+    import numpy as np
+    from coremltools.converters.mil.mil.passes.defs.cleanup import const_deduplication
+
+    from recipes.backends.coreml import CHECK_CHUNK_ELEMENTS, allclose_by_chunks, lowering_patches
+
+    module = sys.modules[const_deduplication.__module__]
+    weights = np.random.default_rng(0).integers(-8, 8, 2 * CHECK_CHUNK_ELEMENTS + 7, dtype=np.int8)
+    last_differs = weights.copy()
+    last_differs[-1] = 7 if weights[-1] != 7 else 6
+    halves = np.float16(np.linspace(-3, 3, 4 * CHECK_CHUNK_ELEMENTS // 3))
+    cases = [(weights, weights.copy(), 1e-12), (weights, last_differs, 1e-12), (halves, halves + np.float16(6e-8), 6e-8),
+             (halves, halves * np.float16(1.01), 6e-8), (np.float32([np.nan, 1]), np.float32([np.nan, 1]), 1e-12),
+             (weights.reshape(-1, 1)[:10], weights[:10].reshape(2, 5).reshape(-1, 1), 1e-12)]
+    for a, b, atol in cases:
+        assert allclose_by_chunks(a, b, rtol=0.0, atol=atol) == np.allclose(a, b, rtol=0.0, atol=atol)
+    assert allclose_by_chunks(weights, weights.copy(), rtol=0.0, atol=1e-12)
+    assert not allclose_by_chunks(weights, last_differs, rtol=0.0, atol=1e-12)
+    with lowering_patches():
+        assert module.np.allclose is allclose_by_chunks and module.np.prod is np.prod
+    assert module.np is np
+
+
+def test_joining_two_methods_frees_garbage_cycles_before_and_after_it_and_is_undone_after_lowering():
+    """coremltools' MIL programs are reference cycles: the join of a static recipe's methods runs the collector
+    before it (the methods' converted programs) and after it (the two programs it loads)."""
+    import gc
+    import weakref
+
+    import coremltools as ct
+
+    from recipes.backends.coreml import collecting_garbage_around, lowering_patches
+
+    class Op:
+        pass
+
+    def garbage_cycle() -> weakref.ref:
+        op, block = Op(), Op()
+        op.block, block.op = block, op
+        return weakref.ref(op)
+
+    seen = {}
+
+    def join(desc, destination_path):
+        seen["earlier garbage gone"] = earlier() is None
+        seen["its own"] = garbage_cycle()
+        return destination_path
+
+    gc.disable()  # only the join's own collections run
+    try:
+        earlier = garbage_cycle()
+        assert earlier() is not None
+        assert collecting_garbage_around(join)("desc", "combined.mlpackage") == "combined.mlpackage"
+        assert seen["earlier garbage gone"] and seen["its own"]() is None
+    finally:
+        gc.enable()
+    own = ct.utils.save_multifunction
+    with lowering_patches():
+        assert ct.utils.save_multifunction is not own
+    assert ct.utils.save_multifunction is own

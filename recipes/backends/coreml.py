@@ -1,7 +1,10 @@
 """Core ML: Apple's backend (CPU, GPU, Neural Engine). Lowers on any OS; the .pte runs only on Apple OSes
 (macOS 15+ / iOS 18+, because the K/V caches become Core ML state)."""
+import gc
 import importlib.metadata
 import platform
+import sys
+import types
 from contextlib import contextmanager
 
 import numpy as np
@@ -44,9 +47,10 @@ def coreml_partitioners(precision: str, methods_share_weights: bool = False):
     return partitioners
 
 
-# The coremltools release whose fp16 overflow check fp16_overflow replaces; on another it is left.
-CHUNKED_OVERFLOW_CHECK_FOR = "9.0"
-OVERFLOW_CHECK_CHUNK = 1 << 20  # elements
+# The coremltools release whose fp16 overflow check and constant comparison are replaced by the chunked ones below
+# (fp16_overflow, allclose_by_chunks); on another they are left.
+CHUNKED_CHECKS_FOR = "9.0"
+CHECK_CHUNK_ELEMENTS = 1 << 20
 
 
 def overflows_fp16(value) -> bool:
@@ -55,8 +59,8 @@ def overflows_fp16(value) -> bool:
     values, a mask and np.where's int64 indices of the whole constant, about 30 bytes per element, which for a
     vocabulary-sized embedding is more than the rest of the conversion holds."""
     flat = np.asarray(value).reshape(-1)
-    for start in range(0, flat.size, OVERFLOW_CHECK_CHUNK):
-        magnitude = np.abs(flat[start:start + OVERFLOW_CHECK_CHUNK])
+    for start in range(0, flat.size, CHECK_CHUNK_ELEMENTS):
+        magnitude = np.abs(flat[start:start + CHECK_CHUNK_ELEMENTS])
         if np.any((magnitude > 65504) & (magnitude < 1e38)):
             return True
     return False
@@ -71,17 +75,62 @@ def fp16_overflow(op) -> bool:
     return False
 
 
+def allclose_by_chunks(a, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    """np.allclose of two arrays of one shape, a chunk at a time. numpy's own casts both to float64 and makes
+    their difference and a mask of the whole arrays, about 25 bytes per element: joining a static recipe's two
+    methods compares every weight of one with its twin in the other, and for a vocabulary-sized embedding that
+    is more than the rest of the join holds."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan))
+    a, b = a.reshape(-1), b.reshape(-1)
+    return all(np.allclose(a[start:start + CHECK_CHUNK_ELEMENTS], b[start:start + CHECK_CHUNK_ELEMENTS],
+                           rtol=rtol, atol=atol, equal_nan=equal_nan)
+               for start in range(0, a.size, CHECK_CHUNK_ELEMENTS))
+
+
+class _NumpyComparingByChunks(types.ModuleType):
+    """numpy as coremltools' constant deduplication sees it: the same module, with allclose_by_chunks."""
+
+    allclose = staticmethod(allclose_by_chunks)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def collecting_garbage_around(join):
+    """coremltools' join of a static recipe's methods into one multifunction model (ct.utils.save_multifunction)
+    with Python's garbage collector run before and after it. Its MIL programs are reference cycles: the methods'
+    converted programs before it, and the two it loads from their packages, would otherwise stay in memory until
+    a full collection, which may not come before the .pte is written."""
+    def join_collecting(*args, **kwargs):
+        gc.collect()
+        try:
+            return join(*args, **kwargs)
+        finally:
+            gc.collect()
+
+    return join_collecting
+
+
 @contextmanager
 def lowering_patches():
     """Around a Core ML lowering: ExecuTorch's per-partition copies share the weights, which coremltools reads
     into its MIL program and writes anew (fp16 or compressed), never into the torch tensors (a test checks
-    the program's weights are untouched by a lowering); and its fp16 overflow check goes by chunks."""
+    the program's weights are untouched by a lowering); its fp16 overflow check, and the comparison by which
+    it finds the weights two methods share, go by chunks; the join of two methods frees coremltools' garbage
+    before and after it."""
+    import coremltools as ct
+    from coremltools.converters.mil.mil.passes.defs.cleanup import const_deduplication
     from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
     from executorch.backends.apple.coreml.compiler import CoreMLBackend
 
-    restores = [share_preprocess_weights(CoreMLBackend)]
-    if importlib.metadata.version("coremltools") == CHUNKED_OVERFLOW_CHECK_FOR:
+    restores = [share_preprocess_weights(CoreMLBackend),
+                swap_attribute(ct.utils, "save_multifunction", collecting_garbage_around(ct.utils.save_multifunction))]
+    if importlib.metadata.version("coremltools") == CHUNKED_CHECKS_FOR:
         restores.append(swap_attribute(FP16ComputePrecision, "fp16_overflow", staticmethod(fp16_overflow)))
+        restores.append(swap_attribute(sys.modules[const_deduplication.__module__], "np",
+                                       _NumpyComparingByChunks("numpy")))
     try:
         yield
     finally:
@@ -138,12 +187,11 @@ BACKEND = Backend(
     lowering_memory_base_bytes=0.95e9,
     lowering_memory_per_weight=(1.5, 0.75),
     serialize_memory_ratio=4.35,
-    # A static recipe's second method: coremltools converts the methods one after the other, then joins them into
-    # one multifunction model whose functions share the weights. Fitted to export-only coreml-ane-c4w on the
-    # built-in model and at Llama-3.2-1B's shape (bench/static_methods.py), where the second method adds several
-    # times what one method's lowering does; on a 4-layer random Llama it adds far less, so this errs on the safe
-    # side there.
-    lowering_memory_per_method=5.5,
+    # A static recipe's second method: coremltools converts the methods one after the other, then loads both back
+    # to join them into one multifunction model whose functions share the weights. Fitted to export-only
+    # coreml-ane-c4w on the built-in model and at Llama-3.2-1B's shape (bench/static_methods.py), with the join's
+    # chunked comparison and collections (lowering_patches).
+    lowering_memory_per_method=1.5,
 )
 
 

@@ -57,24 +57,6 @@ def unmap_large_blocks() -> bool:
 
 
 @contextmanager
-def reusing_large_blocks():
-    """Blocks up to REUSE_THRESHOLD_BYTES come from the heap for the block, where unmap_large_blocks applied."""
-    libc = _glibc()
-    if not _fixed or libc is None:
-        yield
-        return
-    # and the free top of the heap is kept too, as glibc's own adjustment would (twice the threshold)
-    libc.mallopt(M_MMAP_THRESHOLD, REUSE_THRESHOLD_BYTES)
-    libc.mallopt(M_TRIM_THRESHOLD, 2 * REUSE_THRESHOLD_BYTES)
-    try:
-        yield
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        libc.mallopt(M_TRIM_THRESHOLD, STOCK_TRIM_THRESHOLD_BYTES)
-        libc.malloc_trim(0)
-
-
-@contextmanager
 def keeping_freed_heap():
     """What is freed at the top of the heap stays there for the block, where unmap_large_blocks applied; it goes
     back when the block ends. Large blocks keep their own mappings."""
@@ -82,12 +64,29 @@ def keeping_freed_heap():
     if not _fixed or libc is None:
         yield
         return
+    # as much as glibc's own adjustment would keep beside the largest heap block (twice the threshold)
     libc.mallopt(M_TRIM_THRESHOLD, 2 * REUSE_THRESHOLD_BYTES)
     try:
         yield
     finally:
         libc.mallopt(M_TRIM_THRESHOLD, STOCK_TRIM_THRESHOLD_BYTES)
         libc.malloc_trim(0)
+
+
+@contextmanager
+def reusing_large_blocks():
+    """Blocks up to REUSE_THRESHOLD_BYTES come from the heap for the block, and what is freed stays there for
+    reuse (keeping_freed_heap), where unmap_large_blocks applied."""
+    libc = _glibc()
+    if not _fixed or libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, REUSE_THRESHOLD_BYTES)
+    try:
+        with keeping_freed_heap():
+            yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def trim_freed_heap() -> None:

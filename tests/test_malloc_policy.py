@@ -32,13 +32,9 @@ def _probe_figures(probe: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _retained(mode: str) -> dict:
-    return _probe_figures(PROBE, mode)
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="the policy is glibc's")
 def test_freed_temporaries_leave_rss_under_the_policy_and_stay_without_it():
-    with_policy, without = _retained("on"), _retained("off")
+    with_policy, without = _probe_figures(PROBE, "on"), _probe_figures(PROBE, "off")
     assert with_policy["applied"] is True
     assert without["retained_mib"] > 150  # the stock allocator keeps the freed 200 MiB
     assert with_policy["retained_mib"] < 10

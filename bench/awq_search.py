@@ -37,10 +37,12 @@ RECIPE = "xnnpack-8da4w"
 # Each lever added to the one before, then the default with one lever changed.
 PLANS = {
     "exhaustive (torchao's AWQObserver)": EXHAUSTIVE,
-    "plain tensors, unscaled output once": SearchPlan(token_stride=1, coarse_step=1, mlp_block=False),
-    "+ every 4th token": SearchPlan(token_stride=4, coarse_step=1, mlp_block=False),
-    "+ coarse grid, refined": SearchPlan(token_stride=4, coarse_step=4, mlp_block=False),
-    "+ gate/up on the MLP's output (default)": FAST,
+    "plain tensors, unscaled output once": SearchPlan(token_stride=1, coarse_step=1, mlp_block=False,
+                                                      bf16_products=False),
+    "+ every 4th token": SearchPlan(token_stride=4, coarse_step=1, mlp_block=False, bf16_products=False),
+    "+ coarse grid, refined": SearchPlan(token_stride=4, coarse_step=4, mlp_block=False, bf16_products=False),
+    "+ gate/up on the MLP's output": SearchPlan(bf16_products=False),
+    "+ products in bf16 (default)": FAST,
     "default, every token": SearchPlan(token_stride=1),
     "default, every 8th token": SearchPlan(token_stride=8),
     "default, every 16th token": SearchPlan(token_stride=16),

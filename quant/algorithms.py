@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from quant.awq import AWQ_SEARCH_COPIES, AwqAsBuilt, apply_awq
+from quant.awq import AWQ_SEARCH_COPIES, AwqAsBuilt, apply_awq, search_products
 from quant.calibration import CALIBRATION_TOKENS
 from quant.gptq import GPTQ_CALIBRATION_TOKENS
 from quant.spinquant import apply_spinquant
@@ -42,6 +42,8 @@ class Algorithm:
     # Tokens of the calibration text it reads (None: not calibrated). A search, its fp32 transform's or the
     # mixed-precision one, reads quant.calibration.CALIBRATION_TOKENS of them.
     calibration_tokens: int | None = None
+    # The dtype its search's products are computed in on this CPU (the report's calibration.search_products)
+    search_products: Callable[[], str] | None = None
     qparams: str = AFFINE  # of its final int4 groups
     # GPTQ chooses the integers of its int4 linears (quant/gptq.py), layer after layer of the whole float model
     gptq_integers: bool = False
@@ -76,7 +78,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("awq", "activation-aware weight scales searched on the calibration text (AWQ on torchao), folded into "
                      "norms, then HQQ scale-only qparams",
               prepare_module=apply_awq, prepare_by_unit=AwqAsBuilt, unit_search_copies=AWQ_SEARCH_COPIES,
-              calibration_tokens=CALIBRATION_TOKENS, qparams=HQQ_SCALE_ONLY, pt2e_int4=True),
+              calibration_tokens=CALIBRATION_TOKENS, search_products=search_products, qparams=HQQ_SCALE_ONLY,
+              pt2e_int4=True),
     Algorithm("hqq", "HQQ scale-only qparams (torchao)", qparams=HQQ_SCALE_ONLY),
     Algorithm("minmax", "scales from each group's min/max", pt2e_int4=True),
     # quant/spinquant.py; the rotations take neither a search config nor calibration
@@ -89,7 +92,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
                       "layer",
               calibration_tokens=GPTQ_CALIBRATION_TOKENS, gptq_integers=True),
     Algorithm("awq-gptq", "AWQ's scales (torchao) folded in, then GPTQ",
-              prepare_module=apply_awq, calibration_tokens=GPTQ_CALIBRATION_TOKENS, gptq_integers=True),
+              prepare_module=apply_awq, calibration_tokens=GPTQ_CALIBRATION_TOKENS, search_products=search_products,
+              gptq_integers=True),
 )}
 
 # Asked for, not offered on this stack, and why.

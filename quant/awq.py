@@ -76,18 +76,36 @@ class SearchPlan:
     coarse_step: int = 4
     # gate and up scored on the MLP's output (down_proj in float) rather than on their own outputs
     mlp_block: bool = True
+    # the candidates' products in bf16 where the CPU multiplies bf16 natively (product_dtype()): the quantized
+    # weights and the group scales are fp32's, and a product's rounding is far below the int4 error it scores
+    bf16_products: bool = True
+
+    def product_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16_products and native_bf16_products() else torch.float32
 
 
 FAST = SearchPlan()
-EXHAUSTIVE = SearchPlan(exhaustive=True, token_stride=1, coarse_step=1, mlp_block=False)
+EXHAUSTIVE = SearchPlan(exhaustive=True, token_stride=1, coarse_step=1, mlp_block=False, bf16_products=False)
+
+
+def native_bf16_products() -> bool:
+    """Whether the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): elsewhere a bf16 matmul is
+    emulated and slower than fp32's."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def search_products(plan: SearchPlan = FAST) -> str:
+    """What a report says the search's products were computed in."""
+    return "bf16" if plan.product_dtype() == torch.bfloat16 else "fp32"
 
 
 @torch.no_grad()
 def search_layer(layer, states: list[torch.Tensor], arguments: list[tuple], weight_config,
                  plan: SearchPlan = FAST) -> list[torch.Tensor]:
     """Searches and folds AWQ's scales for one float decoder layer, one scale per input shared by several linears
-    (their weights concatenated: AWQ searches one scale per input), from `states`, the hidden states entering it
-    (one per calibration window, each called with its `arguments`). Returns the states leaving it."""
+    (scored together, as one linear of all their rows: AWQ searches one scale per input), from `states`, the
+    hidden states entering it (one per calibration window, each called with its `arguments`). Returns the states
+    leaving it."""
     groups = layer_scale_owners(layer)
     if plan.exhaustive:
         from torchao.prototype.awq.core import AWQObserver  # torchao's prototype is read only by this plan
@@ -112,8 +130,8 @@ def search_layer(layer, states: list[torch.Tensor], arguments: list[tuple], weig
             scale = observer.calculate_qparams().to(torch.float32)
         else:
             after = layer.mlp.down_proj if plan.mlp_block and linears == layer_linears(layer)["mlp_in"] else None
-            scale = search_scale(torch.cat([l.weight for l in linears]), observer, CandidateQuantizer(weight_config),
-                                 plan, after)
+            scale = search_scale([l.weight for l in linears], observer,
+                                 CandidateQuantizer(weight_config, plan.product_dtype()), plan, after)
         fold_input_scale(owner, linears, scale)
     return leaving
 
@@ -144,8 +162,9 @@ class InputStatistics:
         return torch.cat(self.kept)
 
 
-# The bytes of a weight's rows quantized at once while scoring a candidate: within a core's share of the cache.
-BLOCK_BYTES = 1 << 20
+# The bytes of a weight's rows quantized at once while scoring a candidate: few enough that the passes over them
+# stay in the CPU's cache, rows enough that the product reading them runs at the matmul's full speed.
+BLOCK_BYTES = 4 << 20
 
 
 class CandidateQuantizer:
@@ -153,7 +172,7 @@ class CandidateQuantizer:
     for the 8da4w configs int8 per-token activations), written on plain fp32 tensors: a candidate is scored with
     one matmul, without building torchao's tensor subclass."""
 
-    def __init__(self, config):
+    def __init__(self, config, product_dtype: torch.dtype = torch.float32):
         from torchao.quantization import Int8DynamicActivationIntxWeightConfig
         from torchao.quantization.granularity import PerGroup
         from torchao.quantization.quant_primitives import MappingType
@@ -164,28 +183,48 @@ class CandidateQuantizer:
             raise ValueError(f"the fast AWQ search quantizes symmetric int4 groups, not {config}")
         self.group = granularity.group_size if isinstance(granularity, PerGroup) else None
         self.activations_int8 = isinstance(config, Int8DynamicActivationIntxWeightConfig)
+        self.product_dtype = product_dtype
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """w quantized to int4 groups and back, in place (w is a scratch tensor)."""
+    def weight(self, w: torch.Tensor, out: torch.Tensor | None = None,
+               magnitudes: torch.Tensor | None = None) -> torch.Tensor:
+        """w quantized to int4 groups and back, in fp32 and in place (w is a scratch tensor); the last multiply
+        written to `out` (of w's shape, in any float dtype) when given, the magnitudes to `magnitudes` (fp32)."""
         rows, columns = w.shape
         groups = w.view(rows, -1, self.group or columns)
-        low, high = groups.aminmax(dim=-1, keepdim=True)
-        scale = torch.maximum(high, low.neg_()).div_(7.5).clamp_(min=torch.finfo(torch.float32).eps)
+        # a group's largest magnitude is max(high, -low), and found several times faster than aminmax's pair
+        magnitude = torch.abs(groups, out=None if magnitudes is None else magnitudes.view(groups.shape))
+        scale = magnitude.amax(dim=-1, keepdim=True).div_(7.5).clamp_(min=torch.finfo(torch.float32).eps)
         # times the reciprocal, as torchao's quantize_affine: a group's extreme lands on -7, not -8
-        return groups.mul_(1.0 / scale).round_().clamp_(-8, 7).mul_(scale).view(rows, columns)
+        integers = groups.mul_(1.0 / scale).round_().clamp_(-8, 7)
+        if out is None:
+            return integers.mul_(scale).view(rows, columns)
+        return torch.mul(integers, scale, out=out.view(groups.shape)).view(rows, columns)
 
-    def output(self, weight: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x / scale through the quantized weight * scale, transposed ([out, tokens]): a block of rows at a time,
-        each quantized in a scratch tensor the CPU's cache holds through the passes and the product that reads it."""
-        x = self.activations(x / scale).T.contiguous()
-        rows_at_once = max(1, BLOCK_BYTES // (4 * weight.shape[1]))
-        scratch = torch.empty(min(rows_at_once, weight.shape[0]), weight.shape[1])
-        out = torch.empty(weight.shape[0], x.shape[1])
-        for start in range(0, weight.shape[0], rows_at_once):
-            block = weight[start:start + rows_at_once]
-            w = self.weight(torch.mul(block, scale, out=scratch[:block.shape[0]]))
-            torch.mm(w, x, out=out[start:start + block.shape[0]])
-        return out
+    def error(self, weights: list[torch.Tensor], scale: torch.Tensor, x: torch.Tensor,
+              reference: torch.Tensor) -> torch.Tensor:
+        """x / scale through the quantized weights * scale, their rows one after the other and transposed ([out,
+        tokens]), less the float output `reference`, in fp32. A block of rows at a time, each quantized in a
+        scratch tensor the CPU's cache holds through the passes and the product that reads it. In bf16 the
+        reference's bf16 part is subtracted inside the product (its sum is fp32's) and the rest after, so the
+        rounding is the error's own, not the output's."""
+        x = self.activations(x / scale).T.to(self.product_dtype).contiguous()
+        columns = weights[0].shape[1]
+        rows_at_once = max(1, BLOCK_BYTES // (4 * columns))
+        scratch = torch.empty(min(rows_at_once, max(w.shape[0] for w in weights)), columns)
+        magnitudes = torch.empty_like(scratch)
+        narrow = None if self.product_dtype == torch.float32 else torch.empty_like(scratch, dtype=self.product_dtype)
+        leading = reference.to(self.product_dtype)
+        error = torch.empty_like(leading)
+        written = 0
+        for weight in weights:
+            for start in range(0, weight.shape[0], rows_at_once):
+                rows = weight[start:start + rows_at_once].shape[0]
+                w = self.weight(torch.mul(weight[start:start + rows], scale, out=scratch[:rows]),
+                                None if narrow is None else narrow[:rows], magnitudes[:rows])
+                block = slice(written, written + rows)
+                torch.addmm(leading[block], w, x, beta=-1, out=error[block])
+                written += rows
+        return error if narrow is None else error.float().sub_(reference - leading.float())
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """x as the 8da4w kernels see it: int8 per token, asymmetric; unchanged for weight-only configs."""
@@ -205,34 +244,54 @@ def candidate_scale(mean_magnitude: torch.Tensor, index: int) -> torch.Tensor:
     return scale / (scale.max() * scale.min()).sqrt()
 
 
+# Losses closer than this (relative) are a tie, won by the smaller exponent: in bf16 the products round each weight
+# and input to 8 significant bits, which moves a loss by about this much (in fp32, python's min: the first).
+TIE_TOLERANCE = {torch.bfloat16: 2 ** -10, torch.float32: 0.0}
+
+
+def _mlp_hidden(output: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from gate and up's output [out, tokens], as [tokens, intermediate]."""
+    gate, up = output.T.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 @torch.no_grad()
-def search_scale(weight: torch.Tensor, inputs: InputStatistics, quantizer: CandidateQuantizer, plan: SearchPlan,
-                 after: nn.Linear | None = None) -> torch.Tensor:
-    """The candidate scale whose quantized linear group is closest, in mean squared error, to the float one on the
-    kept tokens; with `after` (down_proj for gate and up), on the MLP's output instead of the group's own."""
+def search_scale(weights: list[torch.Tensor], inputs: InputStatistics, quantizer: CandidateQuantizer,
+                 plan: SearchPlan, after: nn.Linear | None = None) -> torch.Tensor:
+    """The candidate scale whose quantized linear group (the rows of `weights`, which read the same input) is
+    closest, in mean squared error, to the float one on the kept tokens; with `after` (down_proj for gate and up),
+    on the MLP's output instead of the group's own."""
     x = inputs.sample
-    weight = weight.float()
-
-    def output(y: torch.Tensor) -> torch.Tensor:
-        """The scored output of the group's output y [out, tokens]."""
-        if after is None:
-            return y
-        gate, up = y.T.chunk(2, dim=-1)
-        return after(torch.nn.functional.silu(gate) * up)
-
-    reference = output(weight @ x.T)  # the unscaled float output, once for every candidate
+    weights = [w.float() for w in weights]
+    output = torch.cat([w @ x.T for w in weights])  # the unscaled float output, once for every candidate
+    if after is not None:
+        # down_proj in the candidates' product dtype, as their own products: a copy a quarter of gate and up's
+        after_weight = after.weight.to(quantizer.product_dtype)
+        hidden = _mlp_hidden(output)
     losses: dict[int, float] = {}
 
     def loss(index: int) -> float:
         if index not in losses:
-            scale = candidate_scale(inputs.mean_magnitude, index)
-            losses[index] = (output(quantizer.output(weight, scale, x)) - reference).pow(2).mean().item()
+            error = quantizer.error(weights, candidate_scale(inputs.mean_magnitude, index), x, output)
+            if after is not None:  # down_proj is linear: its output's error is its product with the hidden's
+                error = (_mlp_hidden(output + error) - hidden).to(after_weight.dtype) @ after_weight.T
+            losses[index] = error.float().pow(2).mean().item()
         return losses[index]
 
-    best = min(range(0, AWQ_SCALE_CANDIDATES, plan.coarse_step), key=loss)
+    tolerance = TIE_TOLERANCE[quantizer.product_dtype]
+
+    def lowest(indices) -> int:
+        """The index of the lowest loss, the smaller index where two are within the products' precision."""
+        best = None
+        for index in indices:
+            if best is None or loss(index) < loss(best) * (1 - tolerance):
+                best = index
+        return best
+
+    best = lowest(range(0, AWQ_SCALE_CANDIDATES, plan.coarse_step))
     step = plan.coarse_step // 2
     while step >= 1:
-        best = min((i for i in (best - step, best, best + step) if 0 <= i < AWQ_SCALE_CANDIDATES), key=loss)
+        best = lowest(sorted({max(best - step, 0), best, min(best + step, AWQ_SCALE_CANDIDATES - 1)}))
         step //= 2
     return candidate_scale(inputs.mean_magnitude, best)
 

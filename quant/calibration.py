@@ -44,11 +44,14 @@ def calibration_windows(tokenizer, max_seq_len: int, max_tokens: int | None = CA
             if len(ids[i:i + max_seq_len]) > 1]
 
 
-def describe_calibration(windows: list[torch.Tensor], searched: list[torch.Tensor] | None = None) -> dict:
+def describe_calibration(windows: list[torch.Tensor], searched: list[torch.Tensor] | None = None,
+                         search_products: str | None = None) -> dict:
     """tokens: what the algorithm read (GPTQ's Hessians, or AWQ's search); search_tokens: what AWQ's search and
-    the mixed-precision search read, when fewer."""
+    the mixed-precision search read, when fewer; search_products: the dtype AWQ's search multiplied in."""
     described = {"text": f"quant/{CALIBRATION_TEXT.name} ({CALIBRATION_TEXT_SOURCE})",
                  "tokens": sum(w.shape[1] for w in windows)}
     if searched is not None and searched is not windows:
         described["search_tokens"] = sum(w.shape[1] for w in searched)
+    if search_products is not None:
+        described["search_products"] = search_products
     return described

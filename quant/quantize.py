@@ -61,6 +61,10 @@ def recipe_algorithm(scheme: str, options: dict) -> str:
     return quant_args(scheme, algorithm=options.get("quant_algorithm")).algorithm
 
 
+def _search_products(algorithm) -> str | None:
+    return algorithm.search_products() if algorithm.search_products else None
+
+
 def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: int) -> tuple[dict, dict]:
     """In place. Returns (report section, seconds by part)."""
     spec = SCHEMES[scheme]
@@ -76,7 +80,7 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
         # a search (the fp32 transform's, the mixed-precision one) reads the default count, however many GPTQ reads
         searches = algorithm.prepare_module is not None or budget
         searched = calibration_windows(tokenizer, max_seq_len) if searches and tokens != CALIBRATION_TOKENS else windows
-        section["calibration"] = describe_calibration(windows, searched)
+        section["calibration"] = describe_calibration(windows, searched, _search_products(algorithm))
     args = quant_args(scheme, options.get("group_size"), name, windows)
     started = time.perf_counter()
     prepare_for_scheme(module, scheme, replace(args, calibration=tuple(searched)))
@@ -151,7 +155,7 @@ class UnitQuantizer:
             algorithm = ALGORITHMS[self.algorithm]
             windows = calibration_windows(tokenizer, max_seq_len) if algorithm.calibrated else []
             if algorithm.calibrated:
-                self.calibration = describe_calibration(windows)
+                self.calibration = describe_calibration(windows, search_products=_search_products(algorithm))
             self.transform = algorithm.prepare_by_unit(search_config(scheme, self.group_size), windows)
 
     def __call__(self, unit, module) -> None:

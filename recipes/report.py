@@ -278,6 +278,8 @@ class QuantCalibration(Section):
     text: str | None = None
     tokens: int | None = None
     search_tokens: int | None = optional()  # what AWQ's and the mixed-precision search read, when fewer
+    # the dtype AWQ's search multiplied its candidates in: bf16 where the CPU has bf16 instructions, else fp32
+    search_products: str | None = optional()
 
 
 @dataclass

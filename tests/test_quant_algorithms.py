@@ -111,12 +111,41 @@ def _assert_within_one_percent(kl, exhaustive_kl):
     assert kl <= exhaustive_kl * 1.01, (kl, exhaustive_kl)
 
 
-def test_the_fast_awq_search_is_within_one_percent_of_the_exhaustive_ones_kl(random_llama):
-    """The default search (every 4th token, a coarse grid refined, gate and up on the MLP's output) against
-    torchao's AWQObserver scoring all 20 candidates on every token."""
-    from quant.awq import EXHAUSTIVE, FAST
+@pytest.mark.parametrize("bf16_products", [True, False], ids=["bf16-products", "fp32-products"])
+def test_the_fast_awq_search_is_within_one_percent_of_the_exhaustive_ones_kl(random_llama, bf16_products):
+    """The default search (every 4th token, a coarse grid refined, gate and up on the MLP's output, products in
+    bf16 where the CPU has its instructions) against torchao's AWQObserver scoring all 20 candidates on every
+    token; the same with every product in fp32, as on CPUs without them."""
+    from quant.awq import EXHAUSTIVE, SearchPlan
 
-    _assert_within_one_percent(_awq_mean_kl(random_llama, FAST), _awq_mean_kl(random_llama, EXHAUSTIVE))
+    _assert_within_one_percent(_awq_mean_kl(random_llama, SearchPlan(bf16_products=bf16_products)),
+                               _awq_mean_kl(random_llama, EXHAUSTIVE))
+
+
+def test_the_searchs_quantize_dequantize_is_torchaos_bit_for_bit():
+    """The fast search scores candidates with its own int4 quantize-dequantize on plain tensors: it must be the
+    numbers of torchao's symmetric min/max group quantization exactly (a zero group included), and writing its
+    last multiply to a bf16 tensor must round those same numbers."""
+    from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine, dequantize_affine,
+                                                        quantize_affine)
+
+    from quant.awq import CandidateQuantizer
+    from quant.schemes import search_config
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 256, generator=generator) * torch.rand(256, generator=generator) * 0.05
+    weight[3, 32:64] = 0
+    block = (1, 32)
+    scale, zero = choose_qparams_affine(weight, MappingType.SYMMETRIC, block, torch.int8, quant_min=-8, quant_max=7,
+                                        scale_dtype=torch.float32, zero_point_dtype=torch.int8)
+    integers = quantize_affine(weight, block, scale, zero, torch.int8, -8, 7)
+    expected = dequantize_affine(integers, block, scale, zero, torch.int8, -8, 7, output_dtype=torch.float32)
+    quantizer = CandidateQuantizer(search_config("8da4w"))
+    assert quantizer.group == 32
+    assert torch.equal(quantizer.weight(weight.clone()), expected)
+    narrow = torch.empty(weight.shape, dtype=torch.bfloat16)
+    assert torch.equal(quantizer.weight(weight.clone(), out=narrow, magnitudes=torch.empty_like(weight)),
+                       expected.to(torch.bfloat16))
 
 
 def test_the_one_percent_check_fails_on_too_few_tokens(random_llama):
@@ -316,6 +345,7 @@ def test_gptq_reads_its_own_calibration_tokens_and_the_searches_the_default(tiny
     which run the model once per candidate, keep to the default count. The report says which read what."""
     from models.llama import build_exportable
     from quant.calibration import CALIBRATION_TOKENS
+    from quant.awq import native_bf16_products
     from quant.gptq import GPTQ_CALIBRATION_TOKENS
     from quant.quantize import quantize_module
     from recipes.registry import get_recipe
@@ -327,9 +357,12 @@ def test_gptq_reads_its_own_calibration_tokens_and_the_searches_the_default(tiny
 
     alone, _ = quantize({"quant_algorithm": "gptq"})
     assert alone["calibration"]["tokens"] == GPTQ_CALIBRATION_TOKENS and "search_tokens" not in alone["calibration"]
+    assert "search_products" not in alone["calibration"]  # GPTQ searches no scales
     section, seconds = quantize({"quant_algorithm": "awq-gptq", "mixed_precision_budget": 0.3})
     assert section["calibration"]["tokens"] == GPTQ_CALIBRATION_TOKENS > 4 * CALIBRATION_TOKENS
     assert section["calibration"]["search_tokens"] == CALIBRATION_TOKENS
+    # AWQ's candidates were multiplied in bf16 where the CPU has its instructions
+    assert section["calibration"]["search_products"] == ("bf16" if native_bf16_products() else "fp32")
     assert "Alice" in section["calibration"]["text"]
     assert section["mixed_precision"]["measured_on_tokens"] == CALIBRATION_TOKENS
     assert seconds["quant_algorithm"] > 0 and seconds["mixed_precision_search"] > 0

@@ -17,10 +17,10 @@ from torch import nn
 
 AWQ_SCALE_CANDIDATES = 20  # torchao's default search space
 # What AwqAsBuilt's search on a decoder layer holds beside the float layer, in fp32 copies of the linears reading
-# the layer's widest input (gate and up concatenated). The FAST plan holds that concatenation and a block of rows
-# (`python -m bench.awq_search memory <shape>` measures one copy at Llama-3.2-1B's and 3.1-8B's shapes); the other
-# copy covers the kept calibration tokens and the layer's activations. EXHAUSTIVE (torchao's observer, about
-# thirteen copies) is a bench plan, not a job's.
+# the layer's widest input (gate and up together). The FAST plan reads the rows where they are and holds blocks of
+# them, the outputs of gate and up, a bf16 copy of down_proj, the kept calibration tokens and the layer's
+# activations: under two copies at Llama-3.2-1B's and 3.1-8B's shapes (`python -m bench.awq_search memory <shape>`).
+# EXHAUSTIVE (torchao's observer, about thirteen copies) is a bench plan, not a job's.
 AWQ_SEARCH_COPIES = 2
 
 

@@ -200,20 +200,26 @@ class CandidateQuantizer:
             return integers.mul_(scale).view(rows, columns)
         return torch.mul(integers, scale, out=out.view(groups.shape)).view(rows, columns)
 
+    def split(self, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float output [out, tokens] as error() subtracts it: its part in the product dtype, and in fp32 what
+        that part leaves out (None in fp32)."""
+        leading = reference.to(self.product_dtype)
+        return leading, None if leading is reference else reference - leading.float()
+
     def error(self, weights: list[torch.Tensor], scale: torch.Tensor, x: torch.Tensor,
-              reference: torch.Tensor) -> torch.Tensor:
+              reference: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         """x / scale through the quantized weights * scale, their rows one after the other and transposed ([out,
-        tokens]), less the float output `reference`, in fp32. A block of rows at a time, each quantized in a
-        scratch tensor the CPU's cache holds through the passes and the product that reads it. In bf16 the
-        reference's bf16 part is subtracted inside the product (its sum is fp32's) and the rest after, so the
-        rounding is the error's own, not the output's."""
+        tokens]), less the float output (`reference`, split() once for every candidate), in fp32. A block of rows
+        at a time, each quantized in a scratch tensor the CPU's cache holds through the passes and the product that
+        reads it. In bf16 the reference's bf16 part is subtracted inside the product (its sum is fp32's) and the
+        rest after, so the rounding is the error's own, not the output's."""
+        leading, remainder = reference
         x = self.activations(x / scale).T.to(self.product_dtype).contiguous()
         columns = weights[0].shape[1]
         rows_at_once = max(1, BLOCK_BYTES // (4 * columns))
         scratch = torch.empty(min(rows_at_once, max(w.shape[0] for w in weights)), columns)
         magnitudes = torch.empty_like(scratch)
         narrow = None if self.product_dtype == torch.float32 else torch.empty_like(scratch, dtype=self.product_dtype)
-        leading = reference.to(self.product_dtype)
         error = torch.empty_like(leading)
         written = 0
         for weight in weights:
@@ -224,7 +230,7 @@ class CandidateQuantizer:
                 block = slice(written, written + rows)
                 torch.addmm(leading[block], w, x, beta=-1, out=error[block])
                 written += rows
-        return error if narrow is None else error.float().sub_(reference - leading.float())
+        return error if remainder is None else error.float().sub_(remainder)
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         """x as the 8da4w kernels see it: int8 per token, asymmetric; unchanged for weight-only configs."""
@@ -264,6 +270,7 @@ def search_scale(weights: list[torch.Tensor], inputs: InputStatistics, quantizer
     x = inputs.sample
     weights = [w.float() for w in weights]
     output = torch.cat([w @ x.T for w in weights])  # the unscaled float output, once for every candidate
+    reference = quantizer.split(output)
     if after is not None:
         # down_proj in the candidates' product dtype, as their own products: a copy a quarter of gate and up's
         after_weight = after.weight.to(quantizer.product_dtype)
@@ -272,7 +279,7 @@ def search_scale(weights: list[torch.Tensor], inputs: InputStatistics, quantizer
 
     def loss(index: int) -> float:
         if index not in losses:
-            error = quantizer.error(weights, candidate_scale(inputs.mean_magnitude, index), x, output)
+            error = quantizer.error(weights, candidate_scale(inputs.mean_magnitude, index), x, reference)
             if after is not None:  # down_proj is linear: its output's error is its product with the hidden's
                 error = (_mlp_hidden(output + error) - hidden).to(after_weight.dtype) @ after_weight.T
             losses[index] = error.float().pow(2).mean().item()
@@ -291,7 +298,7 @@ def search_scale(weights: list[torch.Tensor], inputs: InputStatistics, quantizer
     best = lowest(range(0, AWQ_SCALE_CANDIDATES, plan.coarse_step))
     step = plan.coarse_step // 2
     while step >= 1:
-        best = lowest(sorted({max(best - step, 0), best, min(best + step, AWQ_SCALE_CANDIDATES - 1)}))
+        best = lowest(i for i in (best - step, best, best + step) if 0 <= i < AWQ_SCALE_CANDIDATES)
         step //= 2
     return candidate_scale(inputs.mean_magnitude, best)
 

@@ -183,6 +183,8 @@ class CandidateQuantizer:
             raise ValueError(f"the fast AWQ search quantizes symmetric int4 groups, not {config}")
         self.group = granularity.group_size if isinstance(granularity, PerGroup) else None
         self.activations_int8 = isinstance(config, Int8DynamicActivationIntxWeightConfig)
+        # the dtype the config holds its group scales in: the integers are rounded against those scales
+        self.scale_dtype = getattr(config, "weight_scale_dtype", None) or torch.float32
         self.product_dtype = product_dtype
 
     def weight(self, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -194,8 +196,14 @@ class CandidateQuantizer:
         # a group's largest magnitude is max(high, -low), and found several times faster than aminmax's pair
         magnitude = torch.abs(groups, out=None if magnitudes is None else magnitudes.view(groups.shape))
         scale = magnitude.amax(dim=-1, keepdim=True).div_(7.5).clamp_(min=torch.finfo(torch.float32).eps)
+        if self.scale_dtype != torch.float32:
+            # held in the config's dtype, whose reciprocal torchao's quantize_affine also takes in that dtype
+            held = scale.to(self.scale_dtype)
+            reciprocal, scale = (1.0 / held).float(), held.float()
+        else:
+            reciprocal = 1.0 / scale
         # times the reciprocal, as torchao's quantize_affine: a group's extreme lands on -7, not -8
-        integers = groups.mul_(1.0 / scale).round_().clamp_(-8, 7)
+        integers = groups.mul_(reciprocal).round_().clamp_(-8, 7)
         if out is None:
             return integers.mul_(scale).view(rows, columns)
         return torch.mul(integers, scale, out=out.view(groups.shape)).view(rows, columns)
@@ -240,7 +248,8 @@ class CandidateQuantizer:
         high = x.amax(-1, keepdim=True).clamp(min=0)
         scale = ((high - low) / 255).clamp(min=torch.finfo(torch.float32).eps)
         zero = (-128 - torch.round(low / scale)).clamp(-128, 127)
-        return ((torch.round(x / scale) + zero).clamp(-128, 127) - zero) * scale
+        # times the reciprocal, as torchao's quantize_affine, so a value on a rounding boundary rounds alike
+        return ((torch.round(x * (1.0 / scale)) + zero).clamp(-128, 127) - zero) * scale
 
 
 def candidate_scale(mean_magnitude: torch.Tensor, index: int) -> torch.Tensor:

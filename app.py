@@ -426,8 +426,9 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
     # loads torch, which main() lets load only after the thread policy is set
     from models.model_config import hub_weights_cached, model_config
     from recipes.job_cost import check_recipe_options, job_cost, recipe_options_for
+    from recipes.host_speed import host_speed
     from recipes.registry import get_recipe
-    from zoo.time_estimate import estimate_time
+    from recipes.time_estimate import estimate_time
 
     if not recipe_names:
         return "Tick at least one recipe to see what the job will cost."
@@ -441,16 +442,18 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
         downloads = source == HUB and not hub_weights_cached(model, revision)
         cost = job_cost(config, recipes, per_recipe, int(max_seq_len), not export_only, jobs_root(),
                         Path(constants.HF_HUB_CACHE) if downloads else None)
-        duration = estimate_time(cost.parameters, recipes, per_recipe, not export_only)
+        duration = estimate_time(cost.parameters, recipes, per_recipe, not export_only, host_speed())
     except UserFacingError as err:
         return f"**No estimate yet**: {err}"
+    except ValueError as err:  # no zoo cell to time it from: the rest of the estimate still shows
+        return cost_markdown(cost, None, len(recipes), export_only) + f"\n- Time: no estimate ({err})."
     return cost_markdown(cost, duration, len(recipes), export_only)
 
 
 def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
-    """The estimate's lines: a refusal first, then memory, disk and time."""
+    """The estimate's lines: a refusal first, then memory, disk and time (none without a duration)."""
     # loads torch, which main() lets load only after the thread policy is set
-    from zoo.time_estimate import duration_label, size_label
+    from recipes.time_estimate import duration_label, size_label
 
     gb = 1e9
     kind = "export-only job" if export_only else "full job"
@@ -467,13 +470,16 @@ def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
                 f"({cost.download_free_bytes / gb:.0f} GB free), then " + disk)
     short = (cost.download_bytes > (cost.download_free_bytes or 0) or cost.output_bytes > cost.output_free_bytes)
     lines.append(f"- Disk: {disk}" + ("; **not enough free disk**." if short else "."))
-    parts = {part: sum(r.seconds[part] for r in duration.recipes) for part in ("export", "lower", "other")}
-    rest = "loading and quantizing" if export_only else "loading, quantizing, generating and scoring"
-    cores = "/".join(str(c) for c in duration.cores)
-    lines.append(f"- Time: about {duration_label(duration.seconds)} (export {duration_label(parts['export'])}, lowering "
-                 f"{duration_label(parts['lower'])}, {rest} {duration_label(parts['other'])}); fitted on zoo cells "
-                 f"of {size_label(duration.smallest)}–{size_label(duration.largest)}"
-                 + (f" measured on {cores}-core hosts." if cores else "."))
+    if duration is None:
+        return "\n".join(lines)
+    parts = {part: sum(r.part(part) for r in duration.recipes) for part in ("export", "lower", "other")}
+    rest = "quantizing" if export_only else "quantizing, generating and scoring"
+    shared = "loading" if export_only else "loading and the fp32 reference"
+    lines.append(f"- Time: about {duration_label(duration.seconds)} ({shared} {duration_label(duration.shared_s)}, "
+                 f"export {duration_label(parts['export'])}, lowering {duration_label(parts['lower'])}, {rest} "
+                 f"{duration_label(parts['other'])}); rates fitted on zoo cells of "
+                 f"{size_label(duration.smallest)}–{size_label(duration.largest)} measured on {duration.rates_from}, "
+                 f"scaled to this host's speed ({duration.speed:.2f}× theirs).")
     lines += [f"  - {note}." for note in duration.notes]
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ import torch
 
 from models.builtin import converted_folder, is_complete, save_converted
 from models.config import check_llama_config, read_config
+from models.consistency import check_config_sizes, check_tensors, check_token_ids
 from models.errors import UserFacingError
 from models.hub import download_from_hub
 
@@ -148,6 +149,9 @@ class SafetensorsWeights(Mapping):
             try:
                 with safe_open(file, framework="pt") as handle:
                     for name in handle.keys():
+                        if name in self._file_of:
+                            raise UserFacingError(f"{name} is in both {self._file_of[name].name} and {file.name}; "
+                                                  "a checkpoint stores each tensor once: download it again.")
                         part = handle.get_slice(name)
                         self._file_of[name] = file
                         self._shapes[name] = tuple(part.get_shape())
@@ -171,6 +175,18 @@ class SafetensorsWeights(Mapping):
 
     def stored_dtype(self, name: str) -> torch.dtype:
         return SAFETENSORS_DTYPES.get(self._dtypes[name], torch.float32)
+
+    def dtype_name(self, name: str) -> str:
+        """The dtype as the file names it (F32, BF16, I8, F8_E4M3, ...)."""
+        return self._dtypes[name]
+
+    def rows(self, name: str, indices: list[int]) -> torch.Tensor:
+        """Some rows of a matrix, read without the rest of it."""
+        from safetensors import safe_open
+
+        with safe_open(self._file_of[name], framework="pt") as handle:
+            part = handle.get_slice(name)
+            return torch.stack([part[i:i + 1][0] for i in indices])
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
@@ -205,6 +221,7 @@ def weights_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
 def load_state_dict(folder: Path, allow_pickle: bool) -> Mapping[str, torch.Tensor]:
     safetensors, pickles = weight_files(folder)
     if safetensors:
+        check_shards_present(folder)
         return SafetensorsWeights(safetensors)
     if pickles and not allow_pickle:
         raise UserFacingError(
@@ -222,6 +239,23 @@ def load_state_dict(folder: Path, allow_pickle: bool) -> Mapping[str, torch.Tens
     raise UserFacingError(f"{folder} has no weights (*.safetensors); give a complete Hugging Face model folder.")
 
 
+def check_shards_present(folder: Path) -> None:
+    """Every shard a sharded checkpoint's index names is in the folder."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise UserFacingError(f"{index} is not a safetensors index ({type(err).__name__}: {err}); re-download the "
+                              "model.") from None
+    absent = [name for name in shards if not (folder / name).is_file()]
+    if absent:
+        raise UserFacingError(f"{folder} lacks {absent[0]}" + (f" and {len(absent) - 1} more shards" if len(absent) > 1
+                                                              else "")
+                              + f", which {index.name} lists; download the model again.")
+
+
 def load_tokenizer(folder: Path, **kwargs):
     from transformers import AutoTokenizer
 
@@ -237,8 +271,10 @@ def load_folder(folder: Path, allow_pickle: bool = False, check_config=None) -> 
     if check_config is not None:
         check_config(config)
     state = load_state_dict(folder, allow_pickle)
+    check_tensors(config, state, str(folder))
     tokenizer = load_tokenizer(folder)
     eos = eos_token_ids(read_generation_eos(folder), config, tokenizer)
+    check_token_ids(config, tokenizer, eos, str(folder))
     return Checkpoint("local-folder", str(folder), None, config, state, tokenizer, path=str(folder), eos_token_ids=eos)
 
 
@@ -287,14 +323,25 @@ def load_gguf(path: Path, check_config=None) -> Checkpoint:
         raise UserFacingError(
             f"{path.name} holds a GGUF model of architecture {arch!r}; Lowerbench takes only Llama GGUF files."
         )
-    if check_config is not None:
-        check_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    try:
+        header_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        check_config_sizes(header_config, path.name)
+        if check_config is not None:
+            check_config(header_config)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except UserFacingError:
+        raise
+    except Exception as err:  # transformers raises many types for a GGUF whose metadata and tensors disagree
+        raise UserFacingError(f"{path.name} could not be read as a Llama ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); convert the model "
+                              "again or give its Hugging Face folder.") from None
     config = model.config
     config.quantization_config = None
     check_llama_config(config, path.name)
     state = {k: v.detach() for k, v in model.state_dict().items()}
+    check_tensors(config, state, path.name)
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
     # The GGUF's tokenizer.ggml.eos_token_id reaches both the tokenizer and the generation config.
     eos = eos_token_ids(getattr(model, "generation_config", None), config, tokenizer)
+    check_token_ids(config, tokenizer, eos, path.name)
     return Checkpoint("gguf", str(path), None, config, state, tokenizer, path=str(path), eos_token_ids=eos)

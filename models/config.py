@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from models.consistency import check_config_sizes
 from models.errors import UserFacingError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -34,9 +35,18 @@ def read_config(folder: Path):
         raw = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserFacingError(f"{config_file} is not valid JSON ({err}); re-download the model.") from None
+    if not isinstance(raw, dict):
+        raise UserFacingError(f"{config_file} holds a JSON {type(raw).__name__}, not an object of settings; "
+                              "re-download the model.")
     check_llama_config(_RawConfig(raw), str(folder))
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception as err:  # transformers' validators raise several types, the reason on the error's last line
+        reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise UserFacingError(f"{folder}: config.json does not hold together ({reason}); fix config.json or "
+                              "re-download the model.") from None
     config.quantization_config = None
+    check_config_sizes(config, str(folder))
     return config
 
 

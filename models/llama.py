@@ -500,6 +500,13 @@ def kv_cache_bytes(shape: LlamaShape, options: ExportOptions) -> int:
     return 2 * shape.n_layers * rows * per_row
 
 
+def checkpoint_tensors(config) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors the module reads for this config, and their shapes (lm_head.weight among them)."""
+    with torch.device("meta"):
+        module = LlamaForExport(config, ExportOptions(max_seq_len=1))
+    return {name: tuple(parameter.shape) for name, parameter in module.named_parameters()}
+
+
 def checkpoint_names(name: str) -> list[str]:
     """The checkpoint tensors one parameter of this module is made of: Hugging Face's names, and for the
     fused qkv_proj its q_proj, k_proj and v_proj, concatenated in that order (rows q, k, v)."""

@@ -10,6 +10,7 @@ from models.builtin import converted_folder, is_complete
 from models.checkpoint import BUILTIN_ID, builtin_gguf_path
 from models.checkpoint import gguf_architecture
 from models.config import check_llama_config, read_config
+from models.consistency import check_config_sizes
 from models.errors import UserFacingError
 from models.hub import check_repo_id, check_revision, hub_error
 from models.hub_reach import endpoint
@@ -56,8 +57,13 @@ def gguf_config(path: str, _mtime_ns: int, _size: int):
     if architecture != "llama":
         raise UserFacingError(f"{path_.name} holds a GGUF model of architecture {architecture!r}; Lowerbench takes "
                               "only Llama GGUF files.")
-    config = AutoConfig.from_pretrained(path_.parent, gguf_file=path_.name)
+    try:
+        config = AutoConfig.from_pretrained(path_.parent, gguf_file=path_.name)
+    except Exception as err:  # transformers raises many types for metadata it cannot read
+        raise UserFacingError(f"{path_.name}'s metadata could not be read ({type(err).__name__}); convert the model "
+                              "again or give its Hugging Face folder.") from None
     check_llama_config(config, path_.name)
+    check_config_sizes(config, path_.name)
     return config
 
 

@@ -1,5 +1,5 @@
 """What a job will cost in memory and disk, and whether it would be refused, from the model's config alone: the
-figures the app shows before the Lower button is pressed (its time comes from zoo/time_estimate.py)."""
+figures the app shows before the Lower button is pressed (its time comes from recipes/time_estimate.py)."""
 from __future__ import annotations
 
 import shutil
@@ -8,9 +8,9 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from quant.quantize import check_options
-from quant.schemes import check_group_size
+from quant.schemes import check_group_size, check_group_size_fits
 from recipes.memory_estimate import check_job_fits, estimate_job, memory_budget, parameter_count
-from recipes.request import recipe_defaults
+from recipes.request import check_limits, recipe_defaults
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ def job_cost(config, recipes: list, options: dict, max_seq_len: int, generate: b
     budget, where = memory_budget()
     estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options)
     try:
+        check_limits(config, max_seq_len, options)
+        for recipe in recipes:
+            check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), config)
         check_job_fits(config, recipes, max_seq_len, generate, options)
         refusal = None
     except UserFacingError as err:

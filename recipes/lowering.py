@@ -24,6 +24,7 @@ from models import torch_export
 from recipes import malloc_policy
 from recipes import rss
 from recipes.atomic_write import write_atomically
+from recipes.collector_policy import collector_skipping_older_objects
 from recipes.delegation import methods_delegation_table
 
 
@@ -377,7 +378,8 @@ def export_program(module: torch.nn.Module, max_seq_len: int, strict: bool = Tru
     tokens = min(max_seq_len, options.call_tokens) if options is not None else max_seq_len
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
     seq = torch.export.Dim("seq_len", min=1, max=tokens)
-    return torch_export.export(module, example, dynamic_shapes=({1: seq}, None), strict=strict)
+    with collector_skipping_older_objects():
+        return torch_export.export(module, example, dynamic_shapes=({1: seq}, None), strict=strict)
 
 
 def lower_to_pte(
@@ -418,6 +420,7 @@ def lower_to_pte(
     if ptd_path is not None and (named_data_context is None or pte_path is None):
         raise ValueError("a .ptd needs a backend that keeps its weights in ExecuTorch's named data, and a pte_path")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(collector_skipping_older_objects())
         stack.enter_context(lowering_context())
         if named_data_context is not None and pte_path is not None:
             Path(pte_path).parent.mkdir(parents=True, exist_ok=True)

@@ -147,13 +147,17 @@ class Pt2eCalibration(Section):
 @dataclass
 class TimeEstimate(Section):
     """timings_s.estimate: the recipe's seconds as estimated before the job from the zoo's measured cells
-    (zoo/time_estimate.py), by the parts the zoo measures: export, lowering and the rest (loading, quantizing and
-    writing; in a full job also generating and scoring)."""
+    (recipes/time_estimate.py): exporting, lowering (and serializing) and the rest (quantizing; in a full job also
+    generating and scoring), and in total with the job's shared stages (loading, the reference), as
+    timings_s.total counts them."""
     export: float | None = None
     lower: float | None = None
     other: float | None = None
     total: float | None = None
     fitted_on: str | None = None  # the parameter range of the cells behind it, e.g. "134M–3.2B"
+    shared: float | None = optional()  # the job's shared stages, within total
+    rates_from: str | None = optional()  # the CPUs, cores and dates of the cells behind it
+    host_speed: float | None = optional()  # this host's Python speed against those cells', > 1: faster
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from models.checkpoint import Checkpoint
 from models.errors import UserFacingError
+from models.llama import ATTENTION_SINK_TOKENS
 from models.prompting import prompt_token_ids
 from quant.quantize import check_options
 from quant.schemes import check_group_size, scheme_options
@@ -116,16 +117,30 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         recipe.backend.check_options(options)
 
 
-def check_context(checkpoint: Checkpoint, request: RunRequest) -> None:
-    """Refuses, before any export, a context the model cannot hold or, when the job generates, a prompt that
-    does not fit in it (an export-only job has no prompt to fit)."""
-    limit = int(getattr(checkpoint.config, "max_position_embeddings", 0) or 0)
-    if limit and request.max_seq_len > limit:
+def check_limits(config, max_seq_len: int, options: dict) -> None:
+    """Refuses, from the config alone (before any weight is read or downloaded), a context beyond the model's and a
+    KV ring that could never wrap within it. options: recipe name -> its options."""
+    limit = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if limit and max_seq_len > limit:
         raise UserFacingError(
-            f"max context {request.max_seq_len} is beyond this model's limit of {limit} tokens "
+            f"max context {max_seq_len} is beyond this model's limit of {limit} tokens "
             f"(max_position_embeddings); choose at most {limit}, or keep a ring of recent tokens "
             f"(--kv-cache-window) to generate past the context."
         )
+    for name, recipe_options in options.items():
+        window = recipe_options.get("kv_cache_window")
+        if window and limit and window + ATTENTION_SINK_TOKENS >= limit:
+            raise UserFacingError(
+                f"a KV cache window of {window} tokens ({name}) keeps, with its {ATTENTION_SINK_TOKENS} attention "
+                f"sinks, the model's whole context of {limit} tokens (max_position_embeddings): the ring never "
+                f"wraps, and its cache is larger than a plain one. Choose a window below "
+                f"{limit - ATTENTION_SINK_TOKENS}, or none (--max-seq-len {limit} holds the whole context)."
+            )
+
+
+def check_prompt_fits(checkpoint: Checkpoint, request: RunRequest) -> None:
+    """Refuses, before any export, a prompt that does not fit in the context when the job generates (an
+    export-only job has no prompt to fit)."""
     if not request.generate:
         return
     prompt_tokens = len(prompt_token_ids(checkpoint.tokenizer, request.prompt))

@@ -23,6 +23,8 @@ from recipes import generate as gen
 from recipes import static_program
 from recipes import profile as profiling
 from recipes.atomic_write import write_atomically
+from recipes.collector_policy import collector_skipping_older_objects
+from recipes.host_speed import host_speed
 from recipes.layer_major_reference import layer_major_scores
 from recipes.layer_map import layer_map, windows_of
 from recipes.llm_metadata import llm_metadata
@@ -33,11 +35,12 @@ from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
                             MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, TimeEstimate,
                             package_versions)
-from recipes.request import RunRequest, check_context, preparation_key, recipe_options, validate_request
+from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, recipe_options,
+                             validate_request)
 from recipes.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
 from recipes.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
+from recipes.time_estimate import estimate_time, size_label
 from recipes.tokenizer_files import tokenizer_files
-from zoo.time_estimate import estimate_time, size_label
 
 # Above 2 GiB a single file passes a signed 32-bit size, which tools that take a file in one piece do not
 # (a java.nio MappedByteBuffer on Android, a byte[] read); the program stays small and the weights go apart.
@@ -75,12 +78,17 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     stages, shared = Stages(progress, cancel, total=3 + 7 * len(recipes)), Figures()
     memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options,
                                             request.layer_map)
+
+    def check_config(config) -> None:  # before any weight is read or downloaded
+        check_limits(config, request.max_seq_len, options)
+        for recipe in recipes:
+            check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), config)
+        memory(config)
+
     with stages.stage("loading the checkpoint", shared, "load"):
         checkpoint = load_checkpoint(request.model, revision=request.revision, token=request.token,
-                                     allow_pickle=request.allow_pickle, progress=progress, check_config=memory)
-    check_context(checkpoint, request)
-    for recipe in recipes:
-        check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), checkpoint.config)
+                                     allow_pickle=request.allow_pickle, progress=progress, check_config=check_config)
+    check_prompt_fits(checkpoint, request)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
                package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer),
                time_estimates=_time_estimates(checkpoint.config, recipes, options, request.generate))
@@ -105,12 +113,15 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
 def _time_estimates(config, recipes: list[Recipe], options: dict, generate: bool) -> dict[str, TimeEstimate]:
     """Each recipe's seconds as the app estimates them before the click, to set beside the measured ones."""
     try:
-        estimate = estimate_time(memory_estimate.parameter_count(config), recipes, options, generate)
-    except ValueError:  # a zoo with fewer than two measured sizes gives no estimate; the job runs without one
+        estimate = estimate_time(memory_estimate.parameter_count(config), recipes, options, generate, host_speed())
+    except ValueError:  # a zoo without cells measured stage by stage gives no estimate; the job runs without one
         return {}
     fitted_on = f"{size_label(estimate.smallest)}–{size_label(estimate.largest)}"
-    return {r.recipe: TimeEstimate(**{part: round(seconds, 1) for part, seconds in r.seconds.items()},
-                                   total=round(r.total_s, 1), fitted_on=fitted_on) for r in estimate.recipes}
+    return {r.recipe: TimeEstimate(export=round(r.part("export"), 1), lower=round(r.part("lower"), 1),
+                                   other=round(r.part("other"), 1), total=round(estimate.shared_s + r.total_s, 1),
+                                   fitted_on=fitted_on, shared=round(estimate.shared_s, 1),
+                                   rates_from=estimate.rates_from, host_speed=round(estimate.speed, 2))
+            for r in estimate.recipes}
 
 
 def _reference(job: _Job) -> None:
@@ -222,8 +233,9 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
     module = lowered = None
     stage = "prepare"
     try:
-        module, program, report.quantization = prepare(recipe, options, checkpoint, request.max_seq_len, job.prepared,
-                                                       job.stages, figures)
+        with collector_skipping_older_objects():
+            module, program, report.quantization = prepare(recipe, options, checkpoint, request.max_seq_len,
+                                                           job.prepared, job.stages, figures)
         ptd_path = recipe_dir / PTD_NAME if writes_data_file(recipe, request, checkpoint.config) else None
         stage = "lower"
         backend = recipe.backend

@@ -170,6 +170,31 @@ def test_an_algorithm_the_recipe_does_not_offer_is_refused_as_on_the_cli(app, ti
     assert set(app["jobs"].iterdir()) == before
 
 
+def test_settings_the_model_cannot_hold_are_refused_before_the_click_and_at_it(app, tiny_llama_dir):
+    """A KV window holding the tiny Llama's whole 2048-token context, a context beyond it and a prompt longer than
+    the context: the estimate says so on the page, and Lower refuses with the CLI's message, writing nothing."""
+    from gradio_client import Client
+
+    from app import job_cost_text
+
+    panel = job_cost_text("Local path", "", "", str(tiny_llama_dir), "", ["xnnpack-8da4w"], {"kv_cache_window": 2044},
+                          64, False)
+    assert "This job would be refused**: a KV cache window of 2044 tokens" in panel
+    panel = job_cost_text("Local path", "", "", str(tiny_llama_dir), "", ["xnnpack-8da4w"], {}, 4096, False)
+    assert "This job would be refused**: max context 4096 is beyond this model's limit of 2048" in panel
+
+    client = Client(app["url"], verbose=False)
+    before = set(app["jobs"].iterdir())
+    refusals = ((dict(recipes=["xnnpack-8da4w"], options={"kv_cache_window": 2044}), "the ring never wraps"),
+                (dict(max_seq_len=4096), "beyond this model's limit of 2048"),
+                (dict(prompt="hello world " * 40, max_seq_len=32), "does not fit in the max context of 32"))
+    for overrides, expected in refusals:
+        with pytest.raises(Exception) as info:
+            lower(client, **tiny_args(tiny_llama_dir, **overrides))
+        assert expected in str(info.value) and "Traceback" not in str(info.value)
+    assert set(app["jobs"].iterdir()) == before
+
+
 def test_browser_error_stays_on_the_page_after_its_toast_then_a_job_succeeds(app, tiny_llama_dir, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 

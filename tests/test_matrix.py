@@ -116,12 +116,10 @@ def test_matrix_refuses_a_cell_whose_memory_estimate_exceeds_every_node(ray_clus
     assert cell["status"] == "refused" and cell["stage"] == "memory-estimate" and "GiB" in cell["reason"]
 
 
-def test_a_cell_that_times_generation_takes_the_whole_node_and_an_export_does_not():
+def test_every_cell_takes_the_whole_node():
+    """Its stages' seconds are the time estimate's rates and its decode's tok/s the zoo's: nothing runs beside it."""
     from zoo.matrix import cell_cpus
-    from recipes.memory_estimate import estimate_job
-    from recipes.registry import get_recipe
-    from transformers import LlamaConfig
 
-    estimate = estimate_job(LlamaConfig(**TINY), [get_recipe("xnnpack-fp32")], 32, generate=False)
-    assert cell_cpus(estimate, generate=True, node_cpus=8) == 8
-    assert cell_cpus(estimate, generate=False, node_cpus=8) == 1
+    assert cell_cpus(node_cpus=8) == 8 and cell_cpus(node_cpus=2.0) == 2 and cell_cpus(node_cpus=0.5) == 1
+
+

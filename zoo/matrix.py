@@ -16,6 +16,7 @@ from models.errors import UserFacingError
 from recipes import thread_policy
 from recipes.report import JobSummary, package_versions
 from recipes.summary import recipe_figures
+from recipes.time_estimate import RECIPE_STAGES, SHARED_STAGES
 from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry, repo_slug
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -158,6 +159,10 @@ def record_from_report(record: dict, summary: JobSummary, random_weights: bool) 
         "perplexity_ratio": None if random_weights else ratio,
         "fidelity": NEEDS_REAL_WEIGHTS if random_weights else ("measured" if ratio is not None else "not measured"),
         "runtime_note": report.runtime_note,
+        # each stage's seconds, measured with the whole node (cell_cpus): the time estimate's rates
+        "stages_s": {stage: seconds for stage in (*SHARED_STAGES, *RECIPE_STAGES)
+                     if isinstance(seconds := getattr(report.timings, stage), (int, float))},
+        "alone": True,
         # the int4 algorithm the job ran, the scheme's default included (None: the scheme takes none)
         "quant_algorithm": report.recipe.options.get("quant_algorithm"),
     }
@@ -179,8 +184,10 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
     from recipes.request import RunRequest
     from recipes.run import run
 
+    from recipes.host_speed import host_speed  # loads torch, after the thread policy
+
     record = {**base_record(cell), "host": platform.node(),  # on a cluster: the node that ran the cell
-              "memory_limit_bytes": memory_limit_bytes}
+              "memory_limit_bytes": memory_limit_bytes, "host_speed": host_speed().to_dict()}
     started = time.perf_counter()
     request = RunRequest(recipes=[cell.recipe], out_dir=Path(run_dir), model=model_path, options=cell.options,
                          max_seq_len=cell.max_seq_len, max_new_tokens=min(32, cell.max_seq_len // 4),
@@ -247,16 +254,10 @@ def largest_node() -> tuple[float, float]:
     return max(n.get("CPU", 0) for n in nodes), max(n.get("memory", 0) for n in nodes)
 
 
-# An export this small is dominated by Python work on one thread; a larger one lowers on two.
-SMALL_JOB_BYTES = 2 * 1024**3
-
-
-def cell_cpus(estimate, generate: bool, node_cpus: float) -> int:
-    """A cell that times generation takes a whole node, as the runtime's thread pool does: a cell beside it
-    would share those cores and distort its tok/s."""
-    if generate:
-        return max(1, int(node_cpus))
-    return 1 if estimate.peak_rss_bytes < SMALL_JOB_BYTES else max(1, min(2, int(node_cpus)))
+def cell_cpus(node_cpus: float) -> int:
+    """Every cell takes a whole node: a cell beside it would share its cores, and its stages' seconds are what the
+    time estimate is fitted on (recipes/time_estimate.py), as a decode's tok/s is what the zoo shows."""
+    return max(1, int(node_cpus))
 
 
 def refusal(cell: Cell, estimate, node_memory: float) -> dict | None:
@@ -309,9 +310,10 @@ def done_before(out: Path, cell: Cell) -> bool:
     return path.is_file() and json.loads(path.read_text())["status"] != "oom"
 
 
-def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) -> dict:
-    """Runs the cells not already in `out` (OOM kills are tried again) on the connected Ray cluster; writes
-    each cell's result as it lands and results.json at the end. Returns {"computed": n, "skipped": m, "cells": [every record]}."""
+def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print, remeasure: bool = False) -> dict:
+    """Runs the cells not already in `out` (OOM kills are tried again; with remeasure, every cell) on the connected
+    Ray cluster; writes each cell's result as it lands and results.json at the end. Returns {"computed": n,
+    "skipped": m, "cells": [every record]}."""
     import ray
     from tqdm import tqdm
 
@@ -321,7 +323,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
     from recipes.registry import get_recipe
 
     out = Path(out)
-    todo = [c for c in cells if not done_before(out, c)]
+    todo = [c for c in cells if remeasure or not done_before(out, c)]
     skipped = len(cells) - len(todo)
     node_cpus, node_memory = largest_node()
     remote_cell = ray.remote(max_retries=0, max_calls=1)(run_cell)
@@ -348,7 +350,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print) 
                     cell.entry.config, str(folder))
             model_path = built[cell.identity]  # Ray hands the task the folder once the build finished
         run_dir = out / "runs" / cell.entry.slug / f"{cell.recipe}-{cell.key}"
-        ref = remote_cell.options(num_cpus=cell_cpus(estimate, cell.generate, node_cpus), memory=estimate.peak_rss_bytes).remote(
+        ref = remote_cell.options(num_cpus=cell_cpus(node_cpus), memory=estimate.peak_rss_bytes).remote(
             cell, model_path, str(run_dir), keep_pte, tracker, node_memory)
         pending[ref] = cell
     computed = 0
@@ -438,7 +440,8 @@ def run_from_args(args) -> int:
     if args.seed_from is not None:
         print(json.dumps({"seeded": seed_cells(args.out, args.seed_from), "from": str(args.seed_from)}))
     connect(args.ray_address, args.memory_gb)
-    result = run_matrix(cells, args.out, keep_pte=args.keep_pte, log=lambda msg: print(msg, flush=True))
+    result = run_matrix(cells, args.out, keep_pte=args.keep_pte, log=lambda msg: print(msg, flush=True),
+                        remeasure=args.remeasure)
     print(json.dumps({"computed": result["computed"], "skipped": result["skipped"],
                       "results": str(Path(args.out) / "results.json")}))
     return 0
@@ -459,4 +462,6 @@ def add_parser(sub) -> None:
     matrix.add_argument("--weights", choices=("auto", "hub", "random"), default="auto",
                         help="auto: built-in GGUF for the built-in model, the Hub when it answers, else random")
     matrix.add_argument("--memory-gb", type=float, default=None, help="memory (GiB) the local cluster gives its tasks")
+    matrix.add_argument("--remeasure", action="store_true",
+                        help="run every cell, even one measured before with the same key (the new result replaces it)")
     matrix.add_argument("--keep-pte", action="store_true", help="keep each cell's model.pte (default: measured, dropped)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from models.consistency import check_config_sizes
 from models.errors import UserFacingError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -27,6 +26,10 @@ def check_llama_config(config, where: str) -> None:
 
 def read_config(folder: Path):
     from transformers import AutoConfig
+
+    # loads torch (the rope check builds the rotary embedding), which an entry point lets load only after its
+    # thread policy is set, and models.hub, imported by the app's first lines, imports this module
+    from models.consistency import check_config_sizes
 
     config_file = folder / "config.json"
     if not config_file.is_file():

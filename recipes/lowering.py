@@ -419,21 +419,24 @@ def lower_to_pte(
     soon as it is packed (free_weights_once_packed)."""
     if ptd_path is not None and (named_data_context is None or pte_path is None):
         raise ValueError("a .ptd needs a backend that keeps its weights in ExecuTorch's named data, and a pte_path")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(collector_skipping_older_objects())
-        stack.enter_context(lowering_context())
-        if named_data_context is not None and pte_path is not None:
-            Path(pte_path).parent.mkdir(parents=True, exist_ok=True)
-            spill_dir = stack.enter_context(tempfile.TemporaryDirectory(dir=Path(pte_path).parent, prefix=".named-data-"))
-            stack.enter_context(named_data_context(Path(spill_dir), data_file_tag(ptd_path) if ptd_path else None))
-            if free_weights_as_packed and consume_program and not generate_etrecord:
-                stack.enter_context(free_weights_once_packed())
-        try:
+    # after the collector's freeze ends: frozen objects are invisible to gc.get_objects(), which the release reads
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(collector_skipping_older_objects())
+            stack.enter_context(lowering_context())
+            if named_data_context is not None and pte_path is not None:
+                Path(pte_path).parent.mkdir(parents=True, exist_ok=True)
+                spill_dir = stack.enter_context(tempfile.TemporaryDirectory(dir=Path(pte_path).parent,
+                                                                            prefix=".named-data-"))
+                stack.enter_context(named_data_context(Path(spill_dir),
+                                                       data_file_tag(ptd_path) if ptd_path else None))
+                if free_weights_as_packed and consume_program and not generate_etrecord:
+                    stack.enter_context(free_weights_once_packed())
             return _lower(program, partitioners, transform_passes, compile_config, constant_methods,
                           before_serialize, generate_etrecord, pte_path, consume_program and not generate_etrecord,
                           ptd_path)
-        finally:
-            _release_cached_programs()
+    finally:
+        _release_cached_programs()
 
 
 def _lower(program, partitioners, transform_passes, compile_config, constant_methods, before_serialize,

@@ -18,8 +18,10 @@ def test_a_local_folder_gets_memory_disk_and_time_before_the_click(tiny_llama_di
     text = cost(local_path=str(tiny_llama_dir))
     assert re.search(r"Memory: about \d+\.\d GB at its peak \(xnnpack-8da4w \w+\); fits in", text)
     assert re.search(r"Disk: 0\.\d\d MB of \.pte files \(\d+ GB free\)", text) and "download" not in text  # a local folder downloads nothing
-    assert re.search(r"Time: about \d+ (s|min) .*fitted on zoo cells of 134M–8\.0B measured on 2-core hosts", text)
-    assert "outside the 134M–8.0B the cells measured: extrapolated" in text  # the tiny Llama is far smaller
+    size = r"\d+(\.\d)?[KMB]"
+    assert re.search(rf"Time: about \d+ (s|min) .*rates fitted on zoo cells of {size}–{size} measured on .+, \d+ "
+                     r"cores? \(.+\), scaled to this host's speed \(\d+\.\d\d× theirs\)", text), text
+    assert re.search(rf"outside the {size}–{size} the cells measured: extrapolated", text)  # the tiny Llama is far smaller
     two = cost(local_path=str(tiny_llama_dir), recipes=("xnnpack-8da4w", "xnnpack-fp32"))
     assert "2 recipes" in two and two != text
 

@@ -1,9 +1,9 @@
-"""Lowerbench in the browser: a thin Gradio layer over `recipes.run.run` (the same function the CLI calls).
-Each job runs in its own process and folder (recipes/jobs.py).
+"""Lowerbench in the browser: a thin Gradio layer over `recipes.pipeline.run.run` (the same function the CLI calls).
+Each job runs in its own process and folder (ui/jobs.py).
 
     python app.py [--host 127.0.0.1] [--port 7860]
 
-Environment: those of recipes/jobs.py (jobs folder, age and size caps), LOWERBENCH_CONCURRENCY (jobs at once,
+Environment: those of ui/jobs.py (jobs folder, age and size caps), LOWERBENCH_CONCURRENCY (jobs at once,
 default 2), LOWERBENCH_ALLOW_LOCAL_PATHS (default 1, or 0 on a Space).
 """
 
@@ -18,13 +18,13 @@ from pathlib import Path
 from models.errors import UserFacingError
 from models.hub import check_repo_id
 from models.hub_search import MIN_CHARACTERS, suggest_repos
-from recipes import thread_policy
-from recipes.dependency_noise import silence_dependency_noise
-from recipes.jobs import cancel_job, job_folder, jobs_root, run_job
-from recipes.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
-from recipes.publish import push_to_hub, zip_recipe_folder
-from recipes.report import JobSummary, Report, RunnerGeneration
-from recipes.summary import decision_chart, summary_rows
+from recipes.process import thread_policy
+from recipes.process.dependency_noise import silence_dependency_noise
+from ui.jobs import cancel_job, job_folder, jobs_root, run_job
+from recipes.output.profile_view import decode_bars, profile_rows, profile_summary, profile_table, read_reports
+from recipes.output.publish import push_to_hub, zip_recipe_folder
+from recipes.output.report import JobSummary, Report, RunnerGeneration
+from recipes.output.summary import decision_chart, summary_rows
 from zoo import entries as zoo
 
 ROOT = Path(__file__).resolve().parent
@@ -300,7 +300,7 @@ def layer_map_panel(recipe_dirs_state, asked, finished_event) -> None:
     import pandas as pd
 
     # loads torch, which main() lets load only after the thread policy is set
-    from recipes.layer_map import sqnr_chart_rows
+    from recipes.evaluation.layer_map import sqnr_chart_rows
 
     with gr.Column(visible=False) as panel:
         gr.Markdown("### Error per decoder layer against fp32")
@@ -425,10 +425,10 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
 
     # loads torch, which main() lets load only after the thread policy is set
     from models.model_config import hub_weights_cached, model_config
-    from recipes.job_cost import check_recipe_options, job_cost, recipe_options_for
-    from recipes.host_speed import host_speed
+    from recipes.estimates.job_cost import check_recipe_options, job_cost, recipe_options_for
+    from recipes.estimates.host_speed import host_speed
     from recipes.registry import get_recipe
-    from recipes.time_estimate import estimate_time
+    from recipes.estimates.time_estimate import estimate_time
 
     if not recipe_names:
         return "Tick at least one recipe to see what the job will cost."
@@ -453,7 +453,7 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
 def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
     """The estimate's lines: a refusal first, then memory, disk and time (none without a duration)."""
     # loads torch, which main() lets load only after the thread policy is set
-    from recipes.time_estimate import duration_label, size_label
+    from recipes.estimates.time_estimate import duration_label, size_label
 
     gb = 1e9
     kind = "export-only job" if export_only else "full job"
@@ -530,7 +530,7 @@ def lower_page() -> dict:
     import pandas as pd
 
     # loads torch, which main() lets load only after the thread policy is set
-    from recipes.generate import DEFAULT_PROMPT
+    from recipes.running.generate import DEFAULT_PROMPT
     from recipes.request import RunRequest, user_options
 
     grouped = backends()

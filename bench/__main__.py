@@ -1,8 +1,6 @@
-"""Lowerbench against its peers, in one run: decode speed, export cost, and export scaling with depth.
+"""Lowerbench against its peers, in one run: decode speed and export cost.
 
-    python3 -m bench [--runs 3] [--phases decode,export,scaling] [--layers 1,2,4,8,16,30]
-    python3 -m bench --phases breakdown --runs 11   (where a decode step's time goes, against the floor of
-                                                     XNNPACK's kernels, bench/floor.py; not a default phase)
+    python3 -m bench [--runs 3] [--phases decode,export]
     python3 -m bench --phases scale --runs 1 --shapes smollm2-135m,llama-3.2-1b --scale-full
                                                     (the 1B/3B shapes, bench/scale.py; not a default phase)
     python3 -m bench --phases versions --runs 2 --baseline-python OTHER/bin/python --baseline-root OTHER_CHECKOUT
@@ -17,8 +15,6 @@
                                                      context, fp32 and int8 KV caches and optimum's .pte, bench/kv.py;
                                                      --kv-shape llama-3.2-1b --scale-dir DIR for that shape, in
                                                      kv-llama-3.2-1b.json)
-    python3 -m bench --phases kv-fidelity --runs 1  (each KV cache dtype against the fp32 cache at contexts 512
-                                                     and 2048, on the runtime, bench/kv_fidelity.py)
 
 Every measurement runs in a fresh child process (bench/measure.py: wall time, peak RSS of the child's
 process tree); peers are interleaved run by run (A B A B ...) and each figure is the median over runs.
@@ -33,20 +29,18 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
 from bench import front, kv, scale, table
 from bench import versions as versions_phase
 from bench.checkpoints import builtin_gguf, hf_folder
-from bench.kv_fidelity import CONTEXTS as KV_FIDELITY_CONTEXTS
 from bench.front import ALGORITHMS as front_algorithms, MIXED_ALGORITHMS as front_mixed
 from bench.measure import median, run_measured
 from bench.memory import decode_weight_bytes_per_token
 from bench.runner import LONG_ANSWER_PROMPT, summarize_runner
 from bench.scale import PEER_ALGORITHM, RECIPE
-from recipes.report import load_report
+from recipes.output.report import load_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -146,7 +140,7 @@ def phase_decode(args, hf: Path) -> dict:
         # aborts in executorch.runtime ("double free or corruption").
         engines[table.ONE_THREAD_PROBE] = [*lowerbench_cmd, *common_for(1)]
     if engines.get("lowerbench-pte"):
-        # The same .pte without Lowerbench's thread policy (recipes/thread_policy.py): what the policy buys.
+        # The same .pte without Lowerbench's thread policy (recipes/process/thread_policy.py): what the policy buys.
         engines[table.STOCK_THREADS_PROBE] = [*lowerbench_cmd, *common, "--stock-threads"]
     if engines:
         # The memory-bound ceiling, measured in turn with the engines so it sees the same machine state.
@@ -301,128 +295,6 @@ def summarize_export(data: dict) -> dict:
     return {"peers": summary}
 
 
-def phase_scaling(args, hf: Path) -> dict:
-    log_dir = TMP / "logs"
-    runs = []
-    for i in range(args.runs):
-        for n in args.layers:  # every depth once per run, so a slow spell of the machine hits all depths alike
-            cmd = [PY, "-m", "bench.scaling", "--hf", str(hf), "--layers", str(n), "--max-seq-len", str(MAX_SEQ_LEN)]
-            record = run_measured(cmd, log_dir / f"scaling-{n}-{i}.log", cwd=ROOT)
-            record.update(layers=n, run=i)
-            runs.append(record)
-            _progress(f"scaling {n} layers run {i}: {record['wall_s']} s, {record['peak_rss_mb']} MB")
-    return {"runs": runs, "settings": {"max_seq_len": MAX_SEQ_LEN, "recipe": "xnnpack-8da4w"}}
-
-
-def summarize_scaling(data: dict) -> dict:
-    summary = []
-    for n in sorted({r["layers"] for r in data["runs"]}):
-        ok = [r for r in data["runs"] if r["layers"] == n and r["returncode"] == 0 and r["result"]]
-        if not ok:
-            continue
-        stages = [r["result"]["timings_s"] for r in ok]
-        summary.append({"layers": n, "runs": len(ok), "wall_s": median([r["wall_s"] for r in ok]),
-                        "peak_rss_mb": median([r["peak_rss_mb"] for r in ok]), "cpu_s": median([r["cpu_s"] for r in ok]),
-                        "stages_s": {k: median([s[k] for s in stages]) for k, v in stages[0].items()
-                                     if isinstance(v, (int, float))}})
-    return {"layers": summary}
-
-
-def phase_breakdown(args, hf: Path) -> dict:
-    """The xnnpack-8da4w program with one part taken out at a time (bench/breakdown.py), each exported in
-    its own process, then timed together with the full program and optimum's .pte, one process per
-    rotation of the load order."""
-    from bench.breakdown import ABLATIONS  # loads torch, which the driver leaves to its child processes
-
-    log_dir, out_dir = TMP / "logs", TMP / "breakdown"
-    exports, specs = [], []
-    for variant in ABLATIONS:
-        pte = out_dir / f"{variant}.pte"
-        cmd = [PY, "-m", "bench.breakdown", "export", "--hf", str(hf), "--variant", variant, "--out", str(pte),
-               "--max-seq-len", str(MAX_SEQ_LEN)]
-        record = run_measured(cmd, log_dir / f"breakdown-export-{variant}.log", cwd=ROOT)
-        exports.append({"variant": variant, "returncode": record["returncode"], "wall_s": record["wall_s"],
-                        **(record["result"] or {})})
-        if record["returncode"] == 0:
-            specs.append(f"{variant}={pte}")
-        _progress(f"breakdown export {variant}: rc {record['returncode']}, {record['wall_s']} s")
-    skipped = {}
-    opte, why_not = optimum_pte(hf, log_dir) if "optimum-pte" not in args.skip else (None, "skipped with --skip")
-    if opte is not None:
-        specs.append(f"optimum-pte={opte}:all")
-    else:
-        skipped["optimum-pte"] = why_not
-    # In one process the programs loaded first decode slower, so the timing runs once per rotation
-    # of the load order and every program's figure is the median over all rotations' rounds.
-    timings, floors = [], []
-    for shift in range(len(specs)):
-        order = [*specs[shift:], *specs[:shift]]
-        cmd = [PY, "-m", "bench.breakdown", "time", "--hf", str(hf), "--rounds", str(args.runs),
-               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), *order]
-        record = run_measured(cmd, log_dir / f"breakdown-time-{shift}.log", cwd=ROOT)
-        timings.append({"load_order": [spec.split("=")[0] for spec in order],
-                        "returncode": record["returncode"], "result": record["result"]})
-        _progress(f"breakdown timing, load order {shift}: rc {record['returncode']}, {record['wall_s']} s")
-        # What XNNPACK's kernels allow (bench/floor.py), in turn with the timings so it sees the same machine.
-        cmd = [PY, "-m", "bench.floor", "--rounds", str(args.runs), "--threads", str(args.threads)]
-        record = run_measured(cmd, log_dir / f"breakdown-floor-{shift}.log", cwd=ROOT)
-        floors.append({"returncode": record["returncode"], "result": record["result"]})
-        _progress(f"breakdown kernel floor {shift}: rc {record['returncode']}, {record['wall_s']} s")
-    return {"exports": exports, "timings": timings, "floors": floors, "skipped": skipped, "runs": [],
-            "decode_weight_bytes_per_token": decode_weight_bytes_per_token(hf),
-            "what_each_lacks": {name: lacks for name, (lacks, _ablation) in ABLATIONS.items()},
-            "settings": {"new_tokens": args.new_tokens, "threads": args.threads, "max_seq_len": MAX_SEQ_LEN,
-                         "rounds": args.runs}}
-
-
-def summarize_breakdown(data: dict) -> dict:
-    decode, prefill = {}, {}
-    for timing in data.get("timings", []):
-        for name, row in ((timing.get("result") or {}).get("engines") or {}).items():
-            decode.setdefault(name, []).extend(row["decode_tokens_per_s"])
-            prefill.setdefault(name, []).extend(row["prefill_tokens_per_s"])
-    full_ms = 1000 / statistics.median(decode["full"]) if decode.get("full") else None
-    rows = {}
-    for name in decode:
-        rate = statistics.median(decode[name])
-        ms = 1000 / rate
-        rows[name] = {"decode_tokens_per_s": round(rate, 1), "ms_per_token": round(ms, 3),
-                      "ms_per_token_vs_full": round(ms - full_ms, 3) if full_ms else None,
-                      "prefill_tokens_per_s": round(statistics.median(prefill[name]), 1), "rounds": len(decode[name])}
-    return {"engines": rows, "floor": summarize_floor(data, rows)}
-
-
-def summarize_floor(data: dict, engines: dict) -> dict | None:
-    """The full program's step split into the two ExecuTorch kernels both .pte call (custom_sdpa and
-    update_cache, measured by taking both out at once) and Lowerbench's own part; that part against the floor
-    of XNNPACK's kernels for its delegated work; the kernels' own probe (bench/floor.py) beside them; and optimum's step for comparison."""
-    from bench.floor import floor_ms  # loads torch, which the driver leaves to its child processes
-
-    results = [f["result"] for f in data.get("floors", []) if f["returncode"] == 0 and f["result"]]
-    full_export = next((e for e in data.get("exports", []) if e["variant"] == "full" and e.get("delegated_work")), None)
-    if not results or not full_export or not engines.get("full"):
-        return None
-    ms = {name: row["ms_per_token"] for name, row in engines.items()}
-    if ms.get("no-shared-kernels"):
-        shared, shared_how = ms["full"] - ms["no-shared-kernels"], "both taken out at once"
-    elif ms.get("no-sdpa") and ms.get("no-cache-write"):
-        # older runs: the sum of the two savings, which overlap, so it overstates the shared part
-        shared, shared_how = (ms["full"] - ms["no-sdpa"]) + (ms["full"] - ms["no-cache-write"]), "sum of the two"
-    else:
-        return None
-    keys = ("us_per_linear", "us_per_linear_in_l3", "stream_gb_per_s", "l3_gb_per_s", "us_per_op", "us_per_norm",
-            "us_per_norm_with_xnnpack_mean", "attention_ms_warm", "attention_ms_after_weights")
-    costs = {k: median([r.get(k) for r in results]) for k in keys}
-    floor = {"costs": costs, "processes": len(results), "work": full_export["delegated_work"],
-             "weight_mb": round(data["decode_weight_bytes_per_token"] / 1e6, 2),
-             "full_ms": ms["full"], "shared_kernels_ms": round(shared, 3), "shared_kernels_how": shared_how,
-             "own_ms": round(ms["full"] - shared, 3),
-             "own_floor_ms": round(floor_ms(costs, data["decode_weight_bytes_per_token"], full_export["delegated_work"]), 3)}
-    if ms.get("optimum-pte"):
-        floor["optimum_ms"] = ms["optimum-pte"]
-    return floor
-
-
 KV_CONTEXT = 8192  # the built-in model's own max_position_embeddings
 
 
@@ -496,17 +368,6 @@ def summarize_kv(data: dict) -> dict:
     return kv.summarize_kv(data)
 
 
-def phase_kv_fidelity(args, hf: Path) -> dict:
-    """bench/kv_fidelity.py in its own process: each KV cache dtype against the fp32 cache, on the runtime."""
-    cmd = [PY, "-m", "bench.kv_fidelity", "--contexts", ",".join(str(c) for c in KV_FIDELITY_CONTEXTS)]
-    record = run_measured(cmd, TMP / "logs" / "kv-fidelity.log", cwd=ROOT, timeout_s=args.export_timeout)
-    _progress(f"kv-fidelity: rc {record['returncode']}, {record['wall_s']} s")
-    result = record.pop("result") or {}
-    return {"runs": [record], "skipped": {}, "rows": result.get("rows", []),
-            "settings": {"contexts": result.get("contexts"), "text_tokens": result.get("text_tokens"),
-                         "versions": versions()}}
-
-
 def _progress(message: str) -> None:
     print(f"[bench {dt.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
@@ -541,12 +402,9 @@ def summarize_front(data: dict) -> dict:
 
 PHASES = {"decode": (phase_decode, summarize_decode, "engine"), "runner": (phase_runner, summarize_runner, "engine"), "export": (phase_export, summarize_export, "peer"),
           "scale": (phase_scale, summarize_scale, "peer"),
-          "scaling": (phase_scaling, summarize_scaling, "layers"),
-          "breakdown": (phase_breakdown, summarize_breakdown, "variant"),
           "versions": (phase_versions, summarize_versions, "install"),
           "front": (phase_front, summarize_front, "shape"),
-          "kv": (phase_kv, summarize_kv, "engine"),
-          "kv-fidelity": (phase_kv_fidelity, lambda data: {}, "engine")}
+          "kv": (phase_kv, summarize_kv, "engine")}
 
 
 def keep_other_shapes(old: dict, meta: dict, result: dict) -> None:
@@ -592,8 +450,7 @@ def save_phase(name: str, meta: dict, result: dict, file_name: str | None = None
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python3 -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median); default 3")
-    parser.add_argument("--phases", default="decode,export,scaling")
-    parser.add_argument("--layers", default="1,2,4,8,16,30", help="decoder layer counts for the scaling phase")
+    parser.add_argument("--phases", default="decode,export")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", default="", help="peers to leave out, e.g. optimum-pte,optimum")
@@ -639,7 +496,6 @@ def main() -> None:
     args = parser.parse_args()
     args.front_algorithms = [x for x in args.front_algorithms.split(",") if x]
     args.front_mixed = [x for x in args.front_mixed.split(",") if x]
-    args.layers = [int(x) for x in args.layers.split(",") if x]
     args.skip = [x for x in args.skip.split(",") if x]
     args.peers = [x for x in args.peers.split(",") if x]
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,11 @@
 
     python -m bench.decode ENGINE [--pte FILE] [--gguf FILE] [--hf FOLDER] [--threads 2] [--new-tokens 64]
 
-Engines: lowerbench-pte and optimum-pte (the .pte on executorch.runtime through recipes/generate.py's
+Engines: lowerbench-pte and optimum-pte (the .pte on executorch.runtime through recipes/running/generate.py's
 loop), llama.cpp (llama-cpp-python on the GGUF), hf-eager (transformers generate, fp32).
 Every engine gets the same prompt token ids (the chat template of the model's own tokenizer), and end
 of sequence is ignored so each produces the same number of tokens. Every engine makes one one-token call
-after loading, before the timed generation: the .pte engines in recipes/generate.py's runtime_step (what
+after loading, before the timed generation: the .pte engines in recipes/running/generate.py's runtime_step (what
 Lowerbench does whenever it loads a program), llama.cpp and HF eager here. First calls set things up once
 (XNNPACK plans its workspace, llama.cpp its compute buffers); llama.cpp's own tools and ExecuTorch's LLM
 runner warm up the same way."""
@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-from recipes import thread_policy
+from recipes.process import thread_policy
 
 # OpenMP reads its default when torch loads, so the policy (thread_policy.py) is applied here, before the
 # import below. Both .pte engines run in a Lowerbench process: the same runtime loop for both. The other
@@ -28,7 +28,7 @@ if __name__ == "__main__" and sys.argv[1:2] in (["lowerbench-pte"], ["optimum-pt
 
 import torch  # noqa: E402
 
-from recipes import generate as gen  # noqa: E402
+from recipes.running import generate as gen  # noqa: E402
 from recipes.backends.xnnpack import BACKEND  # noqa: E402
 
 

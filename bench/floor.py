@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from recipes import thread_policy
+from recipes.process import thread_policy
 
 # Timed like every Lowerbench runtime call (thread_policy.py), set before torch loads.
 if __name__ == "__main__":
@@ -40,8 +40,8 @@ from bench.memory import INT4_G32_BYTES_PER_WEIGHT  # noqa: E402
 from models.llama import Attention, ExportOptions, LlamaShape, RMSNorm  # noqa: E402
 from quant.schemes import quantize_linears_8da4w  # noqa: E402
 from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners  # noqa: E402
-from recipes.generate import load_runtime_method  # noqa: E402
-from recipes.lowering import lower_to_pte  # noqa: E402
+from recipes.running.generate import load_runtime_method  # noqa: E402
+from recipes.lowering.lower import Lowering, lower_to_pte  # noqa: E402
 
 
 HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
@@ -143,7 +143,7 @@ def _lower_attention():
                torch.randn(1, 1, KV_HEADS, HEAD_DIM), torch.tensor([DECODE_POSITIONS[0]]))
     with torch.no_grad():
         program = torch.export.export(_builtin_attention().eval(), example, strict=False)
-    lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
+    lowered = lower_to_pte(program, xnnpack_partitioners({}), Lowering(lowering_context=BACKEND.lowering_context))
     return load_runtime_method(lowered.pte, BACKEND.runtime_imports)
 
 
@@ -178,7 +178,7 @@ def _lower(module: nn.Module, quantize: bool):
     tokens = torch.export.Dim("seq_len", min=1, max=MAX_SEQ_LEN)
     with torch.no_grad():
         program = torch.export.export(module, (torch.randn(1, 2, HIDDEN),), dynamic_shapes=({1: tokens},), strict=False)
-    lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
+    lowered = lower_to_pte(program, xnnpack_partitioners({}), Lowering(lowering_context=BACKEND.lowering_context))
     if lowered.delegation["non_delegated_nodes"] > len(program.graph_signature.user_outputs) + 1:
         raise RuntimeError(f"probe {type(module).__name__} left work outside XNNPACK: {lowered.delegation}")
     return load_runtime_method(lowered.pte)
@@ -242,7 +242,7 @@ def measure(rounds: int, threads: int, calls: int = 20) -> dict:
 
 
 def delegated_work(delegation: dict) -> dict:
-    """A lowered program's delegated work per call, from its delegation table (recipes/delegation.py).
+    """A lowered program's delegated work per call, from its delegation table (recipes/lowering/delegation.py).
     torchao quantizes each linear's input on its own, so there is one choose_qparams per quantized linear.
     Its weights' dequantize folds into the linear and the input's choose_qparams + quantize + dequantize into
     one convert, which the probes' cost per linear includes. Every other op, an fp32 linear too, counts at

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.measure import median, run_measured
 from bench.scale import RECIPE, checkpoint_folder, decode_cmd, lowerbench_cmd
-from recipes.report import Report, load_report
+from recipes.output.report import Report, load_report
 
 ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
 # the algorithms that also get a job with the most sensitive linears at 8 bits, at this group and budget

@@ -20,7 +20,7 @@ import resource
 import sys
 
 from bench.measure import median
-from recipes import thread_policy
+from recipes.process import thread_policy
 
 # The product's thread policy, before torch loads (as bench/runner.py).
 if __name__ == "__main__":
@@ -37,7 +37,7 @@ ATTENTION = "attention alone"  # engines "attention alone (<cache>)": bench.kv a
 
 def running_text_ids(tokenizer, count: int) -> list[int]:
     """`count` token ids of the evaluation texts (quant/eval_text*.txt), chained and repeated."""
-    from recipes import fidelity  # loads torch, which bench's driver leaves to the processes it starts
+    from recipes.evaluation import fidelity  # loads torch, which bench's driver leaves to the processes it starts
 
     ids = fidelity.eval_token_ids(tokenizer) + fidelity.eval_token_ids(tokenizer, fidelity.HELDOUT_TEXT)
     return (ids * (count // len(ids) + 1))[:count]
@@ -48,7 +48,7 @@ def _imports() -> None:
 
     # load torch, which bench's driver leaves to the processes it starts
     from recipes.backends.xnnpack import BACKEND
-    from recipes.llm_runner import _KERNEL_MODULES
+    from recipes.running.llm_runner import _KERNEL_MODULES
 
     for name in (*_KERNEL_MODULES, *BACKEND.runtime_imports):
         importlib.import_module(name)
@@ -57,7 +57,7 @@ def _imports() -> None:
 def measure(pte: str, tokenizer_json: str, hf: str, position: int, new_tokens: int, threads: int) -> dict:
     # loads torch, which bench's driver leaves to the processes it starts
     from bench.decode import load_tokenizer, set_runtime_threads
-    from recipes.llm_runner import _stdout_silenced
+    from recipes.running.llm_runner import _stdout_silenced
 
     _imports()
     set_runtime_threads(threads)
@@ -103,8 +103,8 @@ def attention_ms(hf: str, cache: str, context: int, positions: tuple[int, ...], 
     from bench.floor import CacheAttention
     from models.llama import LlamaShape
     from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners
-    from recipes.generate import load_runtime_method
-    from recipes.lowering import lower_to_pte
+    from recipes.running.generate import load_runtime_method
+    from recipes.lowering.lower import Lowering, lower_to_pte
     from recipes.registry import get_recipe
 
     set_runtime_threads(threads)
@@ -116,7 +116,7 @@ def attention_ms(hf: str, cache: str, context: int, positions: tuple[int, ...], 
     k, v = torch.randn(1, 1, shape.n_kv_heads, shape.head_dim), torch.randn(1, 1, shape.n_kv_heads, shape.head_dim)
     with torch.no_grad():
         program = torch.export.export(CacheAttention(shape, options).eval(), (q, k, v, torch.tensor([0])), strict=False)
-    lowered = lower_to_pte(program, xnnpack_partitioners({}), lowering_context=BACKEND.lowering_context)
+    lowered = lower_to_pte(program, xnnpack_partitioners({}), Lowering(lowering_context=BACKEND.lowering_context))
     _program, method = load_runtime_method(lowered.pte, BACKEND.runtime_imports)
     found = {}
     with thread_policy.runtime_threads():

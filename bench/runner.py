@@ -1,4 +1,4 @@
-"""One .pte in ExecuTorch's own LLM runner (TextLLMRunner, through recipes/llm_runner.py as the product drives
+"""One .pte in ExecuTorch's own LLM runner (TextLLMRunner, through recipes/running/llm_runner.py as the product drives
 it), one greedy generation, in its own process; prints one JSON line with the runner's own statistics.
 
     python -m bench.runner --pte FILE --tokenizer-json FILE --hf FOLDER [--threads 2] [--new-tokens 64]
@@ -11,7 +11,7 @@ import argparse
 import json
 import statistics
 
-from recipes import thread_policy
+from recipes.process import thread_policy
 from bench.measure import median, paired_ratio_by_run
 
 RUNNER = "executorch-llm-runner"  # this engine's name: ExecuTorch's TextLLMRunner, its own statistics
@@ -28,7 +28,7 @@ LONG_ANSWER_PROMPT = "Write a long story about a dragon who learns to fly."
 def generate_in_runner(pte: str, tokenizer_json: str, hf: str, prompt: str, new_tokens: int, threads: int) -> dict:
     # loads torch, which bench's driver leaves to the processes it starts
     from bench.decode import load_tokenizer, set_runtime_threads
-    from recipes.llm_runner import generate_with_runner
+    from recipes.running.llm_runner import generate_with_runner
     from recipes.backends.xnnpack import BACKEND
 
     # The runner's extension links the pybindings' runtime, so they share one thread pool.

@@ -1,10 +1,10 @@
 """Phase `scale`: Lowerbench on the shapes people ship (bench/scale_models.py: random bf16 checkpoints with
 the published configs), plus the built-in 135M model, one process at a time: export wall time, the peak RSS
-of each stage (the report's memory section, recipes/rss.py) and of the whole process tree, the .pte's size,
+of each stage (the report's memory section, recipes/process/rss.py) and of the whole process tree, the .pte's size,
 and prefill/decode tok/s of that .pte on the ExecuTorch runtime, in Lowerbench's step loop (bench/decode.py)
 and in ExecuTorch's own LLM runner (bench/runner.py). optimum-cli exports the
 same checkpoint in turn (A B A B) when bench/setup.sh has built its venv. A shape whose export-only estimate
-(recipes/memory_estimate.py) is over --scale-memory-gb is not run; the reason is recorded.
+(recipes/estimates/memory_estimate.py) is over --scale-memory-gb is not run; the reason is recorded.
 
 Random weights time exactly as real ones: see bench/scale_models.py."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from bench.checkpoints import hf_folder
 from bench.measure import paired_ratio_by_run, run_measured
 from bench.runner import RUNNER
 from bench.scale_models import CONFIGS, make_checkpoint, parameter_count
-from recipes.report import Report, load_report
+from recipes.output.report import Report, load_report
 
 SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b", "llama-3.1-8b")
 RECIPE = "xnnpack-8da4w"
@@ -62,7 +62,7 @@ def export_only_estimate_gb(config: dict, recipes: list[str], generate: bool = F
     from transformers import LlamaConfig
 
     # these load torch, which bench's driver needs only here
-    from recipes.memory_estimate import estimate_job
+    from recipes.estimates.memory_estimate import estimate_job
     from recipes.registry import get_recipe
 
     estimate = estimate_job(LlamaConfig(**config), [get_recipe(r) for r in recipes], 512, generate,

@@ -28,7 +28,7 @@ def _meta_line(meta: dict, how: str | None = None) -> str:
 
 
 ONE_THREAD_PROBE = "lowerbench-pte (1 thread)"  # engine name of the one-thread run of the Lowerbench .pte
-STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without recipes/thread_policy.py
+STOCK_THREADS_PROBE = "lowerbench-pte (stock threads)"  # the Lowerbench .pte without recipes/process/thread_policy.py
 # The README's last section, kept as it is when the tables are written again: dates and notes no JSON records.
 HAND_WRITTEN = "## Notes on these tables (written by hand)"
 MEMORY_READ = "memory-read"  # bench/memory.py: the machine's read speed, measured in turn with the engines
@@ -63,7 +63,7 @@ def decode_table(data: dict) -> list[str]:
         lines += ["", f"Decode on {s['threads']} threads ÷ on 1 thread, same .pte: lowerbench-pte {ratio(many, one)}."]
     stock = engines.get(STOCK_THREADS_PROBE, {})
     if stock.get("prefill_tokens_per_s") and lb.get("prefill_tokens_per_s"):
-        lines += ["", f"Lowerbench's thread policy (recipes/thread_policy.py), same .pte with ÷ without it: prefill "
+        lines += ["", f"Lowerbench's thread policy (recipes/process/thread_policy.py), same .pte with ÷ without it: prefill "
                       f"{ratio(lb['prefill_tokens_per_s'], stock['prefill_tokens_per_s'])}, decode "
                       f"{ratio(lb.get('decode_tokens_per_s'), stock.get('decode_tokens_per_s'))}."]
     weight_mb = s.get("decode_weight_mb_per_token")
@@ -106,7 +106,7 @@ def runner_table(data: dict) -> list[str]:
                   for r in data["ratios"]]
     lines += ["", f"{RUNNER}: rates from the runner's own Stats (prefill: prompt tokens over tokenizing + prefill; "
                   f"decode: generated tokens after the first over the rest, both on its millisecond clock). "
-                  f"{STEP_LOOP}: bench/decode.py's timing of recipes/generate.py's loop, the figures the app showed "
+                  f"{STEP_LOOP}: bench/decode.py's timing of recipes/running/generate.py's loop, the figures the app showed "
                   f"before it ran the runner. The runner's Python binding cannot ignore end of sequence; the prompt "
                   f"(\"{s['prompt']}\") keeps both programs generating, and a run that stops early says so."]
     return lines
@@ -537,9 +537,15 @@ def ratio_cell(value) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
+ONE_OFFS = ("The scaling, breakdown and kv-fidelity tables come from one-off experiments removed after commit "
+            "cb30814, their last version (`git show cb30814:bench/scaling.py`, `bench/breakdown.py`, "
+            "`bench/kv_fidelity.py`).")
+
+
 def write_all(results: Path) -> None:
     lines = ["# Lowerbench benchmark results", "",
-             "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.", ""]
+             "Made by `python3 -m bench` (see bench/__main__.py); raw runs in the *.json files beside this one.",
+             ONE_OFFS, ""]
     for name, render in (("decode", decode_table), ("runner", runner_table), ("export", export_table),
                          ("scaling", scaling_table), ("breakdown", breakdown_table), ("scale", scale_table),
                          ("versions", versions_table), ("front", front_table), ("kv", kv_table),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.measure import median, paired_ratio_by_run, run_measured
 from bench.scale import RECIPE, checkpoint_folder, lowerbench_cmd
-from recipes.report import load_report
+from recipes.output.report import load_report
 
 MAX_SEQ_LEN = 512
 CURRENT, BASELINE = "current", "baseline"

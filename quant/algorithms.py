@@ -37,7 +37,7 @@ class Algorithm:
     # algorithm with a whole-module transform needs the whole float model.
     prepare_by_unit: Callable[..., Callable[..., None]] | None = None
     # fp32 copies of a decoder layer's widest linears (gate and up together) the by-unit transform holds beside
-    # the float layer it works on (recipes/memory_estimate.py)
+    # the float layer it works on (recipes/estimates/memory_estimate.py)
     unit_search_copies: int = 0
     # Tokens of the calibration text it reads (None: not calibrated). A search, its fp32 transform's or the
     # mixed-precision one, reads quant.calibration.CALIBRATION_TOKENS of them.

@@ -1,6 +1,6 @@
 """Where quantization error enters a Llama: each decoder layer's output against the same layer's output in
 fp32, as SQNR (dB) and relative error. Eager forward hooks give the layer outputs of any module of
-models/llama.py; recipes/layer_map.py gets the same tensors from a .pte on the runtime."""
+models/llama.py; recipes/evaluation/layer_map.py gets the same tensors from a .pte on the runtime."""
 from __future__ import annotations
 
 import math

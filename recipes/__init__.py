@@ -1,1 +1,0 @@
-"""Backend recipes and the single lowering pipeline."""

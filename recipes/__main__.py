@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from models.errors import UserFacingError
-from recipes import thread_policy
-from recipes.dependency_noise import silence_dependency_noise
-from recipes.runtime_log import LOG_NAME, runtime_log_to
-from recipes.summary import summary_rows, text_table
+from recipes.process import thread_policy
+from recipes.process.dependency_noise import silence_dependency_noise
+from recipes.process.runtime_log import LOG_NAME, runtime_log_to
+from recipes.output.summary import summary_rows, text_table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         print(list_recipes())
         return 0
     # torch loads here, after thread_policy.limit_openmp_default()
-    from recipes.generate import DEFAULT_PROMPT
+    from recipes.running.generate import DEFAULT_PROMPT
     from recipes.request import RunRequest, recipe_option_pairs, user_options
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     try:
         options = {**recipe_option_pairs(args.option),

@@ -68,7 +68,7 @@ class Backend:
     # quantized program gets before lowering (ExportedProgram, scheme) -> ExportedProgram.
     pt2e_quantizer: Callable | None = None
     pt2e_program_passes: Callable | None = None
-    # For recipes/memory_estimate.py: the peak RSS its lowering adds per byte of the .pte it makes, over a
+    # For recipes/estimates/memory_estimate.py: the peak RSS its lowering adds per byte of the .pte it makes, over a
     # base its converter takes whatever the model's size, and the peak of a PT2E quantization (observers,
     # converted copy) per byte of the float module.
     lowering_memory_ratio: float = 2.0
@@ -100,18 +100,18 @@ class Recipe:
     module_overrides: dict = field(default_factory=dict)  # ExportOptions fields that differ from the backend's
     partitioners: Callable[[dict], list] | None = None  # instead of the backend's (e.g. another precision)
     # Bytes per weight (linears, embedding) of the .pte where the backend stores weights otherwise than the
-    # scheme says (recipes/memory_estimate.py).
+    # scheme says (recipes/estimates/memory_estimate.py).
     pte_bytes: tuple[float, float] | None = None
     # Where this recipe's lowering differs from the backend's `lowering_memory_ratio` (same units).
     lowering_memory_ratio: float | None = None
     default: bool = False  # ticked when the app opens
     # Static shapes, caches and masks as inputs and outputs (models/static_llama.py): the .pte has `prefill` and
-    # `decode` methods (recipes/static_program.py) and ships run_static.py; its options give prefill_chunk and
+    # `decode` methods (recipes/lowering/static_program.py) and ships run_static.py; its options give prefill_chunk and
     # max_linear_outputs.
     static_io: bool = False
 
     def export_options(self, max_seq_len: int, options: dict | None = None) -> ExportOptions:
-        """The module form for these recipe options (recipes/run.py: recipe_options; None: the defaults)."""
+        """The module form for these recipe options (recipes/pipeline/run.py: recipe_options; None: the defaults)."""
         backend = self.backend
         form = dict(attention=backend.attention, norm=backend.norm, fuse_qkv=backend.fuse_qkv,
                     dtype=SCHEMES[self.quantization].module_dtype)

@@ -11,7 +11,7 @@ from models.llama import ATTENTION_SINK_TOKENS
 from models.prompting import prompt_token_ids
 from quant.quantize import check_options
 from quant.schemes import check_group_size, scheme_options
-from recipes.generate import DEFAULT_PROMPT
+from recipes.running.generate import DEFAULT_PROMPT
 from recipes.registry import Recipe, load_backends
 
 # Options every quantizing recipe may take (the CLI's --group-size, --quant-algorithm, --mixed-precision-budget).
@@ -35,7 +35,7 @@ class RunRequest:
     # False: only the .pte and its delegation report (CI jobs that test the .pte elsewhere); no sample
     # generations and no fidelity, so the report's generations list is empty.
     generate: bool = True
-    # An event-traced second pass of the generation, after the timed one (recipes/profile.py).
+    # An event-traced second pass of the generation, after the timed one (recipes/running/profile.py).
     profile: bool = True
     # ExecuTorch's ETRecord beside model.pte (its devtools map a profile back to the graph); it holds the
     # exported and edge programs with their weights, a few times the .pte, so it is asked for.
@@ -44,7 +44,7 @@ class RunRequest:
     # export and lowering (with the layer outputs tapped), so it is asked for.
     layer_map: bool = False
     # The delegates' weights in model.ptd beside model.pte (ExecuTorch's data file) where the backend can write
-    # one: True always, False never, None above a size (recipes/run.py: writes_data_file).
+    # one: True always, False never, None above a size (recipes/pipeline/run.py: writes_data_file).
     weights_file: bool | None = None
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import thread_policy
+from recipes.process import thread_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,7 +117,7 @@ def runner_llama_dir(tmp_path_factory):
 def _fp32_run(tmp_path_factory, name: str, model_dir, prompt: str, max_new_tokens: int):
     """`model_dir` through `run()` with xnnpack-fp32 at a context of 64: (recipe folder, report)."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path_factory.mktemp(name)
     summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=out, model=str(model_dir),
@@ -215,7 +215,7 @@ def tiny_checkpoint(tiny_llama_dir):
 def tiny_fp32_lowered(tiny_checkpoint):
     """The tiny Llama exported and lowered once with xnnpack-fp32, shared by the tests that read it."""
     from models.llama import build_exportable
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.lower import export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-fp32")
@@ -395,7 +395,7 @@ def builtin_int8_ring_folder(tmp_path_factory):
     """The built-in SmolLM2-135M as xnnpack-8da4w (HQQ qparams: no calibration search) with an int8 KV cache in a
     ring of BUILTIN_RING_WINDOW recent tokens, export-only through `run()`: (recipe folder, report)."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path_factory.mktemp("builtin-int8-ring")
     options = {"quant_algorithm": "hqq", "kv_cache": "int8", "kv_cache_window": BUILTIN_RING_WINDOW}
@@ -410,9 +410,9 @@ def tiny_qnn_16a4w(tiny_checkpoint):
     Needs no QNN library."""
     from models.llama import build_exportable
     from quant.calibration import calibration_inputs
-    from recipes.lowering import export_program
+    from recipes.lowering.lower import export_program
     from recipes.registry import get_recipe
-    from recipes.prepare import quantize_exported
+    from recipes.pipeline.prepare import quantize_exported
 
     recipe = get_recipe("qnn-16a4w")
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))

@@ -82,7 +82,7 @@ def test_a_transform_without_a_by_unit_form_takes_the_whole_model_path(tiny_chec
     rather than skip its transform, and the memory estimate counts the whole float model for it."""
     from bench.scale_models import CONFIGS
     from quant.quantize import UnitQuantizer, quantize_module, quantizes_by_unit
-    from recipes.memory_estimate import estimate_job
+    from recipes.estimates.memory_estimate import estimate_job
     from recipes.registry import get_recipe
     from transformers import LlamaConfig
 

@@ -337,8 +337,8 @@ def test_the_downloaded_zip_is_the_folder_the_llm_runner_loads(builtin_run, tmp_
 
     from transformers import AutoTokenizer
 
-    from recipes.generate import DEFAULT_PROMPT
-    from recipes.llm_runner import generate_with_runner
+    from recipes.running.generate import DEFAULT_PROMPT
+    from recipes.running.llm_runner import generate_with_runner
 
     job, reports, shown = builtin_run
     assert shown["zip"].name == "xnnpack-8da4w.zip"
@@ -367,8 +367,8 @@ def shutil_copy(png: Path) -> None:
 def test_model_card_describes_the_recipe(tiny_fp32_run):
     from dataclasses import replace
 
-    from recipes.publish import model_card
-    from recipes.report import Fidelity, MixedPrecision, QuantCalibration, Quantization
+    from recipes.output.publish import model_card
+    from recipes.output.report import Fidelity, MixedPrecision, QuantCalibration, Quantization
 
     _, report = tiny_fp32_run
     card = model_card(replace(report, fidelity=Fidelity(top1_agreement_percent=97.0)))
@@ -392,7 +392,7 @@ def test_model_card_describes_the_recipe(tiny_fp32_run):
 
 def test_push_refuses_cleanly_without_a_token(tiny_fp32_run):
     from models.errors import UserFacingError
-    from recipes.publish import push_to_hub
+    from recipes.output.publish import push_to_hub
 
     with pytest.raises(UserFacingError, match="token"):
         push_to_hub(tiny_fp32_run[0], "me/tiny", token=None)
@@ -402,7 +402,7 @@ def test_push_to_hub_creates_the_repo_and_round_trips(hub, tiny_fp32_run, tmp_pa
     from huggingface_hub import hf_hub_download
 
     from models.errors import UserFacingError
-    from recipes.publish import push_to_hub
+    from recipes.output.publish import push_to_hub
     from tests.conftest import BAD_TOKEN, GOOD_TOKEN
 
     hub.users[GOOD_TOKEN] = "tester"

@@ -95,7 +95,7 @@ def _job(root, name, size, age_s):
 
 def test_old_jobs_are_removed_and_the_jobs_folder_is_capped(tmp_path):
     from models.errors import UserFacingError
-    from recipes import jobs
+    from ui import jobs
 
     root = tmp_path / "jobs"
     stale = _job(root, "stale", 10, age_s=7 * 3600)
@@ -118,7 +118,7 @@ def test_old_jobs_are_removed_and_the_jobs_folder_is_capped(tmp_path):
 
 def test_a_job_folder_is_kept_when_its_job_finishes_and_removed_when_it_fails(tmp_path, monkeypatch):
     from models.errors import UserFacingError
-    from recipes import jobs
+    from ui import jobs
 
     monkeypatch.setenv("LOWERBENCH_JOBS_DIR", str(tmp_path / "jobs"))
     with jobs.job_folder() as kept:
@@ -140,7 +140,7 @@ def test_cancel_during_a_stage_stops_the_job_promptly(tiny_llama_dir, tmp_path, 
     import time
 
     from models.errors import UserFacingError
-    from recipes import jobs
+    from ui import jobs
     from recipes.request import RunRequest
 
     session = f"cancel-{stage}"

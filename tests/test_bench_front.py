@@ -4,7 +4,7 @@ from bench.front import (RANDOM_WEIGHTS, beats_default, builtin_jobs, fitting_gr
                          report_extract, summarize_front)
 from bench.scale_models import CONFIGS
 from bench.table import front_table
-from recipes.report import Report
+from recipes.output.report import Report
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "num_hidden_layers": 30, "vocab_size": 49152}

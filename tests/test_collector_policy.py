@@ -1,10 +1,10 @@
-"""The cycle collector kept off what outlives a graph pass (recipes/collector_policy.py): what was alive before is
+"""The cycle collector kept off what outlives a graph pass (recipes/process/collector_policy.py): what was alive before is
 frozen for the pass, a cycle that was garbage already is freed on entry, cycles made inside are still collected,
 and only the outermost pass unfreezes."""
 import gc
 import weakref
 
-from recipes.collector_policy import collector_skipping_older_objects
+from recipes.process.collector_policy import collector_skipping_older_objects
 
 
 class Node:

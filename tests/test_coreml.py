@@ -28,8 +28,8 @@ class WithAcosh(torch.nn.Module):
 def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     from models.llama import build_exportable
     from quant.schemes import apply_scheme
-    from recipes.llm_metadata import llm_metadata
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.llm_metadata import llm_metadata
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("coreml-int8")
@@ -38,8 +38,7 @@ def tiny_coreml_int8_with_acosh(tiny_checkpoint):
     apply_scheme(module, recipe.quantization)
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, options.max_seq_len, tiny_checkpoint.config, tiny_checkpoint.tokenizer, [2])
-    return lower_for_backend(program, recipe, recipe.options,
-                             constant_methods=metadata)
+    return lower_for_backend(program, recipe, recipe.options, Lowering(constant_methods=metadata))
 
 
 def test_coreml_recipes_registered_and_say_where_they_run():
@@ -95,7 +94,7 @@ def test_coreml_pte_lists_the_llm_runners_metadata_methods(tiny_coreml_int8_with
 
 @pytest.mark.skipif(platform.system() == "Darwin", reason="the Core ML runtime exists on macOS")
 def test_runtime_load_says_needs_macos(tiny_coreml_int8_with_acosh, tmp_path):
-    from recipes.generate import delegate_backends, load_runtime_method
+    from recipes.running.generate import delegate_backends, load_runtime_method
 
     pte = tmp_path / "model.pte"
     pte.write_bytes(tiny_coreml_int8_with_acosh.pte)
@@ -111,7 +110,7 @@ def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside
     import json
 
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
     name = "coreml-int4"
@@ -145,7 +144,7 @@ def test_preprocessing_shares_the_weights_and_leaves_them_as_they_were(tiny_chec
 
     from models.llama import build_exportable
     from quant.schemes import apply_scheme
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.lower import export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("coreml-int8")

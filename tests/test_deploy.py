@@ -75,7 +75,7 @@ def test_every_listed_eos_id_stops_the_step_loop(runner_llama_run, runner_llama_
 
     from models.checkpoint import load_checkpoint
     from models.llama import ExportOptions, build_exportable
-    from recipes import generate as gen
+    from recipes.running import generate as gen
 
     greedy = runner_llama_run[1].generations[0].tokens
     for k in (2, 4, 6):
@@ -94,9 +94,9 @@ def test_every_listed_eos_id_stops_the_step_loop(runner_llama_run, runner_llama_
 def test_runner_stops_on_an_eos_id_that_is_not_the_tokenizers(runner_llama_run, runner_llama_dir, tmp_path):
     from models.checkpoint import load_checkpoint
     from models.llama import build_exportable
-    from recipes.llm_metadata import llm_metadata
-    from recipes.llm_runner import generate_with_runner
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.llm_metadata import llm_metadata
+    from recipes.running.llm_runner import generate_with_runner
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     folder, report = runner_llama_run
@@ -110,7 +110,7 @@ def test_runner_stops_on_an_eos_id_that_is_not_the_tokenizers(runner_llama_run, 
     program = export_program(module, 64, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, 64, checkpoint.config, checkpoint.tokenizer, [2, stop])
     pte = tmp_path / "model.pte"
-    lowered = lower_for_backend(program, recipe, {}, constant_methods=metadata)
+    lowered = lower_for_backend(program, recipe, {}, Lowering(constant_methods=metadata))
     pte.write_bytes(lowered.pte)
     out = generate_with_runner(pte, folder / "tokenizer.json", checkpoint.tokenizer, "what is the capital of France ?",
                                8, eos_token_ids=[2, stop])
@@ -128,7 +128,7 @@ def test_step_loop_generation_shown_with_the_reason_when_the_runner_cannot_load_
 
 def test_metadata_of_a_static_one_token_program(tiny_qnn_16a4w):
     """QNN's program: one token per call, caches written in place, no custom SDPA."""
-    from recipes.llm_metadata import llm_metadata
+    from recipes.lowering.llm_metadata import llm_metadata
 
     checkpoint, program, _module = tiny_qnn_16a4w
     metadata = llm_metadata(program, 32, checkpoint.config, checkpoint.tokenizer, [2])
@@ -141,8 +141,8 @@ def test_metadata_of_a_static_one_token_program(tiny_qnn_16a4w):
 def test_builtin_8da4w_folder_runs_in_the_llm_runner_and_answers_paris(builtin_8da4w_run):
     from transformers import AutoTokenizer
 
-    from recipes.generate import DEFAULT_PROMPT
-    from recipes.llm_runner import generate_with_runner
+    from recipes.running.generate import DEFAULT_PROMPT
+    from recipes.running.llm_runner import generate_with_runner
 
     folder, report, _shown = builtin_8da4w_run
     assert {"model.pte", "tokenizer.json", "tokenizer_config.json", "report.json"} <= {p.name for p in folder.iterdir()}

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from recipes import fidelity
+from recipes.evaluation import fidelity
 
 
 def test_identical_logits_agree_fully():
@@ -83,7 +83,7 @@ def test_broken_scheme_shows_degraded_figures():
 
     from models.llama import ExportOptions, build_exportable
     from quant.schemes import apply_scheme
-    from recipes.generate import eager_step
+    from recipes.running.generate import eager_step
 
     config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=8, initializer_range=0.1)
@@ -113,9 +113,9 @@ def test_broken_scheme_shows_degraded_figures():
 
 
 def test_tiny_run_reports_fidelity_per_recipe(tiny_llama_dir, tmp_path):
-    from recipes.summary import summary_rows
+    from recipes.output.summary import summary_rows
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     summary = run(RunRequest(recipes=["xnnpack-fp32", "xnnpack-8da4w"], out_dir=tmp_path, model=str(tiny_llama_dir),
                              max_seq_len=64, max_new_tokens=4, prompt="what is the capital ?", layer_map=True))
@@ -152,7 +152,7 @@ def test_layer_map_of_a_broken_2bit_scheme_is_low(tiny_checkpoint):
 
     from models.llama import ExportOptions, build_exportable
     from quant.layer_error import eager_layer_outputs
-    from recipes.layer_map import layer_map, windows_of
+    from recipes.evaluation.layer_map import layer_map, windows_of
 
     ids = fidelity.eval_token_ids(tiny_checkpoint.tokenizer)
     windows = windows_of(ids, 64)
@@ -168,8 +168,8 @@ def test_layer_map_of_a_broken_2bit_scheme_is_low(tiny_checkpoint):
 
 
 def test_sqnr_chart_rows_give_one_line_per_recipe():
-    from recipes.layer_map import sqnr_chart_rows
-    from recipes.report import Report
+    from recipes.evaluation.layer_map import sqnr_chart_rows
+    from recipes.output.report import Report
 
     reports = [{"recipe": {"name": name}, "fidelity": {"layers": {"layers": [
         {"layer": 0, "sqnr_db": db, "relative_error": 0.1}, {"layer": 1, "sqnr_db": None, "relative_error": 0.0}]}}}
@@ -224,9 +224,9 @@ def test_layer_major_reference_gives_the_ordinary_references_logits(tiny_checkpo
     import torch
 
     from models.llama import ExportOptions, build_exportable
-    from recipes import fidelity
-    from recipes import generate as gen
-    from recipes.layer_major_reference import layer_major_scores
+    from recipes.evaluation import fidelity
+    from recipes.running import generate as gen
+    from recipes.evaluation.layer_major_reference import layer_major_scores
 
     ckpt, max_seq_len = tiny_checkpoint, 32
     texts = [fidelity.eval_token_ids(ckpt.tokenizer, text)[:150] for text in (fidelity.EVAL_TEXT, fidelity.HELDOUT_TEXT)]

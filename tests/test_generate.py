@@ -1,7 +1,7 @@
-"""recipes/generate.py: the choice of the next token, the generation loop and the runtime step."""
+"""recipes/running/generate.py: the choice of the next token, the generation loop and the runtime step."""
 import torch
 
-from recipes.generate import generate, pick_next
+from recipes.running.generate import generate, pick_next
 
 
 def test_greedy_pick_is_the_first_largest_logit_in_every_dtype():
@@ -62,7 +62,7 @@ def test_loop_gives_each_step_its_own_token_and_position_and_reads_lent_logits()
 def test_runtime_step_lends_its_output_and_generation_matches_eager(tiny_fp32_lowered, tiny_checkpoint):
     """On the real runtime: the step's logits are the runtime's buffer (the next call overwrites them), and
     greedy generation through it gives the eager module's tokens."""
-    from recipes.generate import eager_step, load_runtime_method, runtime_step
+    from recipes.running.generate import eager_step, load_runtime_method, runtime_step
 
     module, lowered, recipe = tiny_fp32_lowered
     step = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports))
@@ -78,7 +78,7 @@ def test_runtime_step_lends_its_output_and_generation_matches_eager(tiny_fp32_lo
 
 
 def test_runtime_without_the_flag_keeps_its_own_copying_execute():
-    from recipes.generate import _borrowing_call
+    from recipes.running.generate import _borrowing_call
 
     class Method:  # an executorch.runtime Method whose pybind call has no clone_outputs
         class _Bound:
@@ -95,12 +95,12 @@ def test_runtime_without_the_flag_keeps_its_own_copying_execute():
 
 
 def test_runtime_step_keeps_its_program_alive(tiny_fp32_lowered):
-    """A caller may keep only the step (recipes/run.py does), and the method borrows from its program, which
+    """A caller may keep only the step (recipes/pipeline/run.py does), and the method borrows from its program, which
     holds the .pte bytes: once they were collected, a step over a 12 MB .pte segfaulted (measured)."""
     import gc
     import weakref
 
-    from recipes.generate import load_runtime_method, runtime_step
+    from recipes.running.generate import load_runtime_method, runtime_step
 
     _module, lowered, recipe = tiny_fp32_lowered
     loaded = load_runtime_method(bytes(lowered.pte), recipe.backend.runtime_imports)
@@ -125,7 +125,7 @@ class _RecordingMethod:
 
 
 def test_runtime_step_warms_up_with_one_decode_call_at_load():
-    from recipes.generate import runtime_step
+    from recipes.running.generate import runtime_step
 
     method = _RecordingMethod()
     step = runtime_step((None, method))
@@ -141,7 +141,7 @@ def test_runtime_step_warms_up_with_one_decode_call_at_load():
 def test_warm_up_leaves_generation_unchanged(tiny_fp32_lowered):
     """The warm-up writes cache row 0; the next prefill starts there. A warmed and a cold load of the same
     .pte give bit-identical logits for a prefill and the decode steps after it."""
-    from recipes.generate import load_runtime_method, runtime_step
+    from recipes.running.generate import load_runtime_method, runtime_step
 
     _module, lowered, recipe = tiny_fp32_lowered
     warmed = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports))
@@ -155,7 +155,7 @@ def test_warm_up_leaves_generation_unchanged(tiny_fp32_lowered):
 _FIRST_CALL_FAULTS = """
 import resource, sys
 import torch
-from recipes.generate import load_runtime_method, runtime_step
+from recipes.running.generate import load_runtime_method, runtime_step
 from recipes.backends.xnnpack import BACKEND
 step = runtime_step(load_runtime_method(sys.argv[1], BACKEND.runtime_imports), warm=sys.argv[2] == "warm")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

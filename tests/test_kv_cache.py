@@ -24,16 +24,16 @@ def _lowered_step(checkpoint, max_seq_len: int, options: dict, recipe_name: str 
 
 def _lower_step(checkpoint, max_seq_len: int, options: dict, recipe_name: str):
     from models.llama import build_exportable
-    from recipes import generate as gen
-    from recipes.llm_metadata import llm_metadata
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.running import generate as gen
+    from recipes.lowering.llm_metadata import llm_metadata
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe(recipe_name)
     module = build_exportable(checkpoint.config, checkpoint.state_dict, recipe.export_options(max_seq_len, options))
     program = export_program(module, max_seq_len, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, max_seq_len, checkpoint.config, checkpoint.tokenizer, [2])
-    lowered = lower_for_backend(program, recipe, options, constant_methods=metadata)
+    lowered = lower_for_backend(program, recipe, options, Lowering(constant_methods=metadata))
     return gen.runtime_step(gen.load_runtime_method(lowered.pte, recipe.backend.runtime_imports)), metadata, module
 
 
@@ -137,13 +137,13 @@ def test_chunked_program_tells_the_runner_its_call_size_and_context(runner_llama
     and answers as the step loop, which chunks the same way."""
     from models.checkpoint import load_checkpoint
     from models.prompting import prompt_token_ids
-    from recipes import generate as gen
+    from recipes.running import generate as gen
     from recipes.backends.xnnpack import PREFILL_CHUNK_TOKENS
-    from recipes.llm_runner import generate_with_runner
-    from recipes.lowering import export_program, lower_for_backend
-    from recipes.llm_metadata import llm_metadata
+    from recipes.running.llm_runner import generate_with_runner
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
+    from recipes.lowering.llm_metadata import llm_metadata
     from recipes.registry import get_recipe
-    from recipes.tokenizer_files import tokenizer_files
+    from recipes.files.tokenizer_files import tokenizer_files
     from models.llama import build_exportable
 
     checkpoint = load_checkpoint(str(runner_llama_dir))
@@ -152,7 +152,7 @@ def test_chunked_program_tells_the_runner_its_call_size_and_context(runner_llama
     program = export_program(module, 1024, strict=recipe.backend.strict_export)
     metadata = llm_metadata(program, 1024, checkpoint.config, checkpoint.tokenizer, checkpoint.eos_token_ids)
     assert (metadata["get_max_seq_len"], metadata["get_max_context_len"]) == (PREFILL_CHUNK_TOKENS, 1024) == (512, 1024)
-    lowered = lower_for_backend(program, recipe, {}, constant_methods=metadata)
+    lowered = lower_for_backend(program, recipe, {}, Lowering(constant_methods=metadata))
     (tmp_path / "model.pte").write_bytes(lowered.pte)
     for name, data in tokenizer_files(checkpoint.tokenizer).items():
         (tmp_path / name).write_bytes(data)
@@ -229,7 +229,7 @@ def test_estimate_counts_the_caches_in_their_dtype():
     head, against fp32's 4 per value."""
     from bench.scale_models import CONFIGS
     from models.llama import LlamaShape
-    from recipes.memory_estimate import estimate_job
+    from recipes.estimates.memory_estimate import estimate_job
     from recipes.registry import get_recipe
     from transformers import LlamaConfig
 
@@ -251,7 +251,7 @@ def test_estimate_refuses_a_context_that_cannot_fit_with_the_numbers(monkeypatch
     """Llama-3.2-3B's shape at its own 131072 tokens: fp32 caches alone are 15 GB, twice over (module and program);
     the refusal says the peak, the limit, and what smaller caches would take."""
     from bench.scale_models import CONFIGS
-    from recipes.memory_estimate import LIMIT_ENV, check_job_fits, estimate_job
+    from recipes.estimates.memory_estimate import LIMIT_ENV, check_job_fits, estimate_job
     from recipes.registry import get_recipe
     from transformers import LlamaConfig
 
@@ -281,7 +281,7 @@ def _chat_turns(folder, questions: list[str], max_new_tokens: int) -> list[dict]
     from transformers import AutoTokenizer
 
     from recipes.backends.xnnpack import BACKEND
-    from recipes.llm_runner import _KERNEL_MODULES, _stdout_silenced
+    from recipes.running.llm_runner import _KERNEL_MODULES, _stdout_silenced
 
     for name in (*_KERNEL_MODULES, *BACKEND.runtime_imports):
         importlib.import_module(name)
@@ -327,8 +327,8 @@ def test_builtin_int8_cache_answers_paris_in_the_llm_runner(builtin_int8_ring_fo
     own runner, as a device app runs it. The plain int8 cache (no ring) is checked on the runtime above."""
     from transformers import AutoTokenizer
 
-    from recipes.generate import DEFAULT_PROMPT
-    from recipes.llm_runner import generate_with_runner
+    from recipes.running.generate import DEFAULT_PROMPT
+    from recipes.running.llm_runner import generate_with_runner
     from tests.test_deploy import constant_methods
 
     folder, report = builtin_int8_ring_folder

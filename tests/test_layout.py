@@ -1,5 +1,6 @@
 """The layout's rules, read from the code itself: no import cycle among the project's modules (imports inside
-functions count too), the layers point one way, and a backend is named by no module outside its own file."""
+functions count too), the layers point one way as docs/design.md's table orders them, and a backend is named by no
+module outside its own file."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("models", "quant", "recipes", "zoo", "bench")
+PACKAGES = ("models", "quant", "recipes", "zoo", "bench", "ui")
 
 
 def project_modules() -> dict[str, Path]:
@@ -78,14 +79,43 @@ def test_no_import_cycle_among_the_projects_modules():
     assert cycles(import_graph()) == []
 
 
-def test_models_and_quant_import_nothing_from_the_layers_above_them():
-    above = ("recipes", "zoo", "bench", "app")
-    graph = import_graph()
-    wrong = {module: sorted(t for t in targets if t.split(".")[0] in above)
-             for module, targets in graph.items() if module.split(".")[0] in ("models", "quant")}
-    assert {module: targets for module, targets in wrong.items() if targets} == {}
-    assert not any(t.startswith("quant") for module, targets in graph.items() if module.startswith("models")
-                   for t in targets)
+def layer_table() -> list[str]:
+    """docs/design.md's Layers table: the layers, top (imported by all below it) first."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    return [row.split("|")[1].strip().strip("`") for row in section.splitlines()
+            if row.startswith("| `")]
+
+
+def layer_of(module: str, layers: list[str]) -> str | None:
+    """The longest layer name the module's dotted name starts with."""
+    found = [layer for layer in layers if module == layer or module.startswith(layer + ".")]
+    return max(found, key=len) if found else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    rank = {layer: index for index, layer in enumerate(layers)}
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                  if rank[layer_of(target, layers)] > rank[layer_of(module, layers)])
+
+
+def test_every_module_belongs_to_a_layer_of_the_design_docs_table():
+    layers = layer_table()
+    assert layers[:2] == ["models", "quant"] and layers[-1] == "app", layers
+    assert [module for module, path in project_modules().items()
+            if layer_of(module, layers) is None and path.read_text().strip()] == []  # an empty __init__ aside
+
+
+def test_no_module_imports_a_layer_below_its_own():
+    """The pipeline never imports zoo/, bench/ or the app, models/ and quant/ never import the pipeline, and so on
+    down docs/design.md's table."""
+    assert upward_imports(import_graph(), layer_table()) == []
+
+
+def test_an_upward_import_is_found():
+    graph = {"models.llama": {"recipes.pipeline.run"}, "recipes.pipeline.run": {"models.llama"}}
+    layers = ["models", "quant", "recipes.pipeline"]
+    assert upward_imports(graph, layers) == ["models.llama -> recipes.pipeline.run"]
 
 
 def test_no_module_outside_a_backend_file_imports_it():

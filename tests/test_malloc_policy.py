@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import json, sys
-from recipes import malloc_policy
+from recipes.process import malloc_policy
 applied = malloc_policy.unmap_large_blocks() if sys.argv[1] == "on" else False
 import psutil, torch
 rss = lambda: psutil.Process().memory_info().rss
@@ -42,7 +42,7 @@ def test_freed_temporaries_leave_rss_under_the_policy_and_stay_without_it():
 
 REUSE_PROBE = """
 import json, resource
-from recipes import malloc_policy
+from recipes.process import malloc_policy
 malloc_policy.unmap_large_blocks()
 import psutil, torch
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -72,7 +72,7 @@ def test_a_pass_after_pass_stage_reuses_its_blocks_and_gives_them_back_when_it_e
 
 KEEP_PROBE = """
 import json, resource
-from recipes import malloc_policy
+from recipes.process import malloc_policy
 malloc_policy.unmap_large_blocks()
 import psutil, torch
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

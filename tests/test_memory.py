@@ -11,7 +11,7 @@ from models.errors import UserFacingError
 from models.checkpoint import SafetensorsWeights, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
-from recipes.memory_estimate import estimate_job
+from recipes.estimates.memory_estimate import estimate_job
 from recipes.registry import get_recipe
 
 ZOO_RESULTS = Path(__file__).resolve().parent.parent / "zoo" / "results.json"
@@ -174,7 +174,7 @@ def test_fp32_reference_on_bf16_weights_keeps_them_bf16_and_computes_what_the_fp
 
 def test_job_that_cannot_fit_is_refused_with_numbers_before_any_weight_download(hub, tmp_path, monkeypatch):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     monkeypatch.setenv("LOWERBENCH_MEMORY_LIMIT_GB", "0.2")
     with pytest.raises(UserFacingError) as info:
@@ -191,7 +191,7 @@ def test_job_that_cannot_fit_is_refused_with_numbers_before_any_weight_download(
 
 
 def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit():
-    from recipes.memory_estimate import checkpoint_dtype
+    from recipes.estimates.memory_estimate import checkpoint_dtype
     from bench.scale_models import CONFIGS
     from transformers import LlamaConfig
 
@@ -206,7 +206,7 @@ def test_estimate_chooses_the_checkpoint_dtype_for_a_reference_fp32_cannot_fit()
 
 
 def test_the_estimate_keeps_a_row_of_logits_for_every_token_of_the_evaluation_texts():
-    """The texts' token counts come from the model's tokenizer once it is read (recipes/run.py); a tokenizer that
+    """The texts' token counts come from the model's tokenizer once it is read (recipes/pipeline/run.py); a tokenizer that
     makes twice the tokens (a random checkpoint's) keeps twice the reference logits through every later stage."""
     from bench.scale_models import CONFIGS
     from transformers import LlamaConfig
@@ -232,7 +232,7 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
     with its search on each decoder layer as it is built, one piece at a time: at Llama-3.2-1B's shape that is
     gigabytes the estimate must count before the job starts."""
     from bench.scale_models import CONFIGS
-    from recipes.memory_estimate import LIMIT_ENV, check_job_fits, parameter_count
+    from recipes.estimates.memory_estimate import LIMIT_ENV, check_job_fits, parameter_count
     from transformers import LlamaConfig
 
     config = LlamaConfig(**CONFIGS["llama-3.2-1b"])
@@ -311,11 +311,11 @@ def test_pte_is_written_from_executorchs_pieces_and_equals_the_joined_bytes(tiny
     the file must be the very bytes of the joined program, with its size and sha256, and nothing else is left."""
     import hashlib
 
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
 
     module, lowered, recipe = tiny_fp32_lowered
     program = export_program(module, 64, strict=recipe.backend.strict_export)
-    streamed = lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte")
+    streamed = lower_for_backend(program, recipe, {}, Lowering(pte_path=tmp_path / "model.pte"))
     data = (tmp_path / "model.pte").read_bytes()
     assert streamed.pte_data is None and data == lowered.pte
     assert (streamed.pte_bytes, streamed.pte_sha256) == (len(data), hashlib.sha256(data).hexdigest())
@@ -348,7 +348,7 @@ def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
     from models.llama import build_exportable
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
 
     def lowered_modules() -> set[int]:
         gc.collect()
@@ -360,7 +360,7 @@ def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
     apply_scheme(module, recipe.quantization, algorithm="hqq")
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
-    lowered = lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte", consume_program=True)
+    lowered = lower_for_backend(program, recipe, {}, Lowering(pte_path=tmp_path / "model.pte", consume_program=True))
     assert lowered.delegation["delegated_subgraphs"] > 1
     del program
     assert lowered_modules() - before == set()
@@ -374,7 +374,7 @@ def test_a_full_job_has_collected_its_lowered_program_before_the_runtime_loads_t
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     alive_at_generation = []
 

@@ -2,7 +2,7 @@
 profile's place in report.json and in the app."""
 import pytest
 
-from recipes import profile
+from recipes.running import profile
 
 
 @pytest.fixture(scope="module")
@@ -10,7 +10,7 @@ def tiny_profiled_run(tmp_path_factory):
     """A random 2-layer Llama through run() with xnnpack-fp32 (runs here) and coreml-fp16 (cannot, off macOS).
     Hidden 512: wide enough that a step's runtime, not the Python call around it, makes most of its time."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
     from tests.conftest import _random_llama_dir
 
     model = _random_llama_dir(tmp_path_factory, "profiled-llama", hidden=512, intermediate=1024, layers=2)
@@ -81,7 +81,7 @@ def test_recipe_that_cannot_run_here_has_a_null_profile_with_the_reason(tiny_pro
 
 
 def test_app_frames_show_the_decode_step_top_ops_and_filter_the_table(tiny_profiled_run):
-    from recipes import profile_view
+    from recipes.output import profile_view
 
     out, reports = tiny_profiled_run
     _profiled(reports["xnnpack-fp32"])
@@ -96,7 +96,7 @@ def test_app_frames_show_the_decode_step_top_ops_and_filter_the_table(tiny_profi
     assert set(table["phase"]) == {"decode", "prefill"} and table["delegated"].any() and not table["delegated"].all()
     summary = profile_view.profile_summary(list(reports.values()))
     assert "coreml-fp16**: no profile" in summary and "outside delegates" in summary
-    from recipes.publish import model_card
+    from recipes.output.publish import model_card
 
     assert "Where a decode step's time goes" in model_card(reports["xnnpack-fp32"])
     assert "Where a decode step's time goes" not in model_card(reports["coreml-fp16"])
@@ -104,7 +104,7 @@ def test_app_frames_show_the_decode_step_top_ops_and_filter_the_table(tiny_profi
 
 def test_no_profile_leaves_the_folder_without_etdump_or_etrecord(tiny_llama_dir, tmp_path):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     summary = run(RunRequest(recipes=["xnnpack-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir),
                              prompt="the capital of France is", max_new_tokens=2, max_seq_len=32, profile=False,
@@ -120,7 +120,7 @@ def test_program_table_is_read_from_the_flatbuffer_alone(tiny_profiled_run, tmp_
     .pte cut right after its flatbuffer gives the same plan as ExecuTorch's whole-file deserializer."""
     from executorch.exir._serialize._program import _get_extended_header, deserialize_pte_binary
 
-    from recipes.pte_program import read_program
+    from recipes.files.pte_program import read_program
 
     out, _ = tiny_profiled_run
     data = (out / "xnnpack-fp32" / "model.pte").read_bytes()

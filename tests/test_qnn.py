@@ -23,7 +23,7 @@ def no_qnn_libraries(monkeypatch, tmp_path):
 
 
 def test_16a4w_quantization_makes_q_dq_graph_and_simulated_generation_runs(tiny_qnn_16a4w):
-    from recipes import generate as gen
+    from recipes.running import generate as gen
 
     checkpoint, program, _simulated = tiny_qnn_16a4w
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
@@ -107,7 +107,7 @@ def test_side_by_side_without_qnn_libraries_completes_xnnpack_and_records_qnn_er
     tiny_llama_dir, tmp_path, no_qnn_libraries
 ):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["xnnpack-fp32", "qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir),
@@ -135,7 +135,7 @@ needs_qnn = pytest.mark.skipif(not _has_qnn_libraries(), reason="no QNN host lib
 
 _RUNNER_AFTER_QNN = """
 import sys
-from recipes import llm_runner
+from recipes.running import llm_runner
 from recipes.backends import qnn
 qnn.load_qnn_libraries()
 try:
@@ -165,7 +165,7 @@ def test_the_llm_runner_still_reports_its_errors_once_qnn_libraries_are_loaded(t
 @needs_qnn
 def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir),
@@ -193,7 +193,7 @@ def test_a_decoder_in_shards_compiles_one_qnn_graph_per_shard_with_every_linear_
     """One decoder layer per shard: the two layers become two QNN graphs (beside the prologue's), the residual
     stream passing between them through the one clone QNN leaves out; no linear or cache update leaves HTP."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=32,
@@ -214,7 +214,7 @@ def test_a_decoder_in_shards_compiles_one_qnn_graph_per_shard_with_every_linear_
 def test_a_shard_size_that_is_not_a_positive_layer_count_is_refused_before_any_work(value, tmp_path):
     from models.errors import UserFacingError
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path / "out"
     with pytest.raises(UserFacingError, match="layers_per_shard must be a whole number of decoder layers"):
@@ -227,7 +227,7 @@ def test_block_quantized_linears_wider_than_256_outputs_lower_for_real(wide_llam
     """qnn-16a4w's 4-bit blocks on 512-wide outputs: as FullyConnected, QNN 2.47's HTP graph prepare fails
     ("no properties registered for q::GenPad"); as the 1x1 conv2d the recipe lowers, it makes a context binary."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path / "out"
     summary = run(RunRequest(recipes=["qnn-16a4w"], out_dir=out, model=str(wide_llama_dir), max_seq_len=32, max_new_tokens=4,
@@ -251,9 +251,9 @@ def test_the_block_scales_qnn_encodes_are_the_ones_the_weights_and_the_simulatio
 
     from models.llama import build_exportable
     from quant.calibration import calibration_inputs
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
     from recipes.registry import get_recipe
-    from recipes.prepare import quantize_exported
+    from recipes.pipeline.prepare import quantize_exported
 
     encoded = {}  # weight node -> (scales that quantized it, scales QNN encodes); the partitioner's op check and
     real = NodeVisitor.make_qnn_per_block_config  # the compile both visit it
@@ -271,7 +271,7 @@ def test_the_block_scales_qnn_encodes_are_the_ones_the_weights_and_the_simulatio
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
     program, simulated = quantize_exported(recipe, export_program(module, 32), calibration_inputs(
         tiny_checkpoint.tokenizer, 32), dict(recipe.options), 32)
-    lower_for_backend(program, recipe, dict(recipe.options), pte_path=tmp_path / "model.pte")
+    lower_for_backend(program, recipe, dict(recipe.options), Lowering(pte_path=tmp_path / "model.pte"))
 
     assert len(encoded) == 2 * 7  # every layer linear; the output layer is 8-bit per channel
     simulated_scales = [getattr(simulated, n.args[2].target) for n in simulated.graph.nodes

@@ -118,7 +118,7 @@ def test_list_prints_the_compatibility_table():
 
 def test_group_size_not_offered_is_refused_before_loading(tmp_path):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     messages = []
     with pytest.raises(UserFacingError, match="group size 48 is not offered for 8da4w; choose one of: 32, 64, 128, 256"):
@@ -129,7 +129,7 @@ def test_group_size_not_offered_is_refused_before_loading(tmp_path):
 
 def test_group_size_that_does_not_divide_is_refused_before_quantizing(tiny_llama_dir, tmp_path):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     messages = []
     with pytest.raises(UserFacingError, match=r"group size 128 does not divide .*\(64\).*choose one of: 32, 64\."):
@@ -155,10 +155,10 @@ def test_builtin_widths_refuse_group_128():
 
 def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint):
     """Two backends taking 8da4w on the same module quantize once; a different group size does not share."""
-    from recipes.prepare import prepare
+    from recipes.pipeline.prepare import prepare
     from recipes.registry import Recipe
     from recipes.request import recipe_options
-    from recipes.stages import Figures, Stages
+    from recipes.pipeline.stages import Figures, Stages
     from recipes.backends.xnnpack import BACKEND
 
     def recipe(name, **options):
@@ -183,7 +183,7 @@ def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint
 
 def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     summary = run(RunRequest(recipes=["xnnpack-8da4w-emb4", "xnnpack-8da8w", "xnnpack-fp16"], out_dir=tmp_path,
                              model=str(tiny_llama_dir), max_seq_len=64, max_new_tokens=4,
@@ -205,7 +205,7 @@ def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
 def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path):
     """coreml-fp16 and coreml-fp32 share the fp32 module; the second lowering must not reuse a lowered program."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     summary = run(RunRequest(recipes=["coreml-fp16", "coreml-fp32"], out_dir=tmp_path, model=str(tiny_llama_dir),
                              max_seq_len=32, max_new_tokens=3, prompt="what is the capital ?"))

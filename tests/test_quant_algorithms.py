@@ -200,9 +200,9 @@ def _pt2e_logits_error(random_llama, algorithm):
     module), after the algorithm's float weight transform."""
     from models.llama import build_exportable
     from quant.schemes import prepare_for_scheme, quant_args
-    from recipes.lowering import export_program
+    from recipes.lowering.lower import export_program
     from recipes.registry import get_recipe
-    from recipes.prepare import quantize_exported
+    from recipes.pipeline.prepare import quantize_exported
 
     config, state_dict, tokens, calibration = random_llama
     recipe = get_recipe("qnn-16a4w")
@@ -308,8 +308,8 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
     from models.llama import build_exportable
     from quant.calibration import calibration_windows
     from quant.schemes import apply_scheme
-    from recipes.generate import load_runtime_method, runtime_step
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.running.generate import load_runtime_method, runtime_step
+    from recipes.lowering.lower import export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-8da4w")
@@ -355,7 +355,7 @@ def _windows_of_tokens(ids: list[int], size: int = 32) -> set[tuple[int, ...]]:
 
 def test_calibration_and_evaluation_texts_share_no_32_token_window():
     from quant.calibration import CALIBRATION_TEXT
-    from recipes.fidelity import EVAL_TEXT, HELDOUT_TEXT
+    from recipes.evaluation.fidelity import EVAL_TEXT, HELDOUT_TEXT
 
     paths = [CALIBRATION_TEXT, EVAL_TEXT, HELDOUT_TEXT]
     assert len({p.resolve() for p in paths}) == 3 and all(p.exists() for p in paths)
@@ -416,7 +416,7 @@ def test_awq_quantized_piece_by_piece_as_it_is_built_is_the_whole_float_modules_
     assert quantizes_by_unit("8da4w", options)
     export_options = get_recipe("xnnpack-8da4w").export_options(64)
     quantizer = UnitQuantizer("8da4w", options, tiny_checkpoint.tokenizer, 64)
-    # in the job's order: the output layer right after the embedding (recipes/prepare.py)
+    # in the job's order: the output layer right after the embedding (recipes/pipeline/prepare.py)
     by_unit = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, export_options,
                                transform_unit=quantizer, output_first=True)
     whole = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, export_options)
@@ -489,9 +489,9 @@ def test_pt2e_quantization_lets_the_float_weights_go_and_keeps_only_the_integer_
 
     from models.llama import build_exportable
     from quant.calibration import calibration_inputs
-    from recipes.lowering import export_program
+    from recipes.lowering.lower import export_program
     from recipes.registry import get_recipe
-    from recipes.prepare import quantize_exported
+    from recipes.pipeline.prepare import quantize_exported
 
     recipe = get_recipe("qnn-16a4w")
     config, state_dict = tiny_checkpoint.config, tiny_checkpoint.state_dict

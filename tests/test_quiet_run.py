@@ -1,5 +1,5 @@
 """A healthy job prints its progress and nothing that reads like a failure: the dependencies' known messages are
-silenced (recipes/dependency_noise.py) and ExecuTorch's C++ log goes to the job's folder (recipes/runtime_log.py)."""
+silenced (recipes/process/dependency_noise.py) and ExecuTorch's C++ log goes to the job's folder (recipes/process/runtime_log.py)."""
 import re
 import subprocess
 import sys
@@ -27,7 +27,7 @@ def test_python_stderr_reaches_the_terminal_while_the_runtime_log_goes_to_the_fi
     """Written to fd 2, or through sys.stderr in the pybindings' `[file.cpp:line] message` form (in pieces, as
     pybind11's redirect of std::cerr writes them), the runtime's log lands in the file; Python's own lines do not."""
     log = tmp_path / "job" / "executorch.log"
-    code = ("import os, sys\nfrom recipes.runtime_log import runtime_log_to\n"
+    code = ("import os, sys\nfrom recipes.process.runtime_log import runtime_log_to\n"
             f"with runtime_log_to({str(log)!r}):\n"
             "    os.write(2, b'from C++\\n')\n    print('[ 50%] from Python', file=sys.stderr)\n"
             "    for piece in ('[', 'cpuinfo_utils.cpp', ':', '87', '] ', 'through the pybindings', '\\n'):\n"
@@ -42,7 +42,7 @@ def test_python_stderr_reaches_the_terminal_while_the_runtime_log_goes_to_the_fi
 def test_an_empty_runtime_log_leaves_nothing_behind_even_when_the_job_fails(tmp_path):
     import pytest
 
-    from recipes.runtime_log import runtime_log_to
+    from recipes.process.runtime_log import runtime_log_to
 
     with runtime_log_to(tmp_path / "new" / "folder" / "executorch.log"):
         pass

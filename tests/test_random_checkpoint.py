@@ -35,7 +35,7 @@ def test_small_vocabulary_spells_lowercase_prompts_before_rarer_characters():
 def test_random_checkpoint_folder_runs_in_executorch_llm_runner(tmp_path):
     from models.random_checkpoint import write_random_checkpoint
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -52,7 +52,7 @@ def test_backend_file_outside_the_project_is_listed(tmp_path):
 def test_backend_file_outside_the_project_runs_through_run(tmp_path, tiny_llama_dir, monkeypatch):
     from recipes.registry import load_backends
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     monkeypatch.syspath_prepend(str(_throwaway_package(tmp_path)))
     monkeypatch.setenv("LOWERBENCH_BACKEND_PACKAGES", PACKAGE)

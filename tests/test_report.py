@@ -1,4 +1,4 @@
-"""report.json as typed sections (recipes/report.py): files written before the report was typed load and write back
+"""report.json as typed sections (recipes/output/report.py): files written before the report was typed load and write back
 unchanged, a job's report round-trips, the file is the report's one serialization, and the job's summary crosses
 a process boundary as plain data."""
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
+from recipes.output.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
                             StageError, load_report)
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -10,7 +10,7 @@ from tests.conftest import run_cli, run_main
 
 
 def test_fp32_runtime_logits_match_eager(tiny_fp32_lowered):
-    from recipes.generate import load_runtime_method
+    from recipes.running.generate import load_runtime_method
 
     module, lowered, recipe = tiny_fp32_lowered
     tokens = torch.tensor([[3, 5, 7, 2, 9, 4]])
@@ -91,7 +91,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert set(report["timings_s"]) >= {"load", "quantize", "export", "lower", "serialize", "peak_rss_mb"}
     # the default algorithm, AWQ, searched each decoder layer on the calibration text as the module was built
     assert report["quantization"]["calibration"]["tokens"] == 512 and report["timings_s"]["quant_algorithm"] > 0
-    from recipes import thread_policy
+    from recipes.process import thread_policy
 
     assert report["threads"] == {"openmp_default": "1", "openmp_default_set_by": "lowerbench",
                                  "torch_intra_op": thread_policy.physical_cores(), "torch_during_runtime_calls": 1}
@@ -106,7 +106,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     # the memory estimate counted the fidelity texts with this model's own tokenizer
     from transformers import AutoTokenizer
 
-    from recipes import fidelity
+    from recipes.evaluation import fidelity
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     assert report["memory"]["estimate"]["eval_tokens"] == [
@@ -114,7 +114,7 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
 
 
 def test_cli_export_only_writes_the_pte_without_generating(tiny_llama_dir, tmp_path):
-    from recipes.generate import load_runtime_method
+    from recipes.running.generate import load_runtime_method
     from recipes.backends.xnnpack import BACKEND
 
     out = tmp_path / "out"
@@ -243,7 +243,7 @@ def test_a_consumed_program_lets_go_of_its_weights_before_serializing_and_gives_
     import weakref
 
     from models.llama import build_exportable
-    from recipes.lowering import export_program, lower_for_backend
+    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-fp32")
@@ -254,7 +254,7 @@ def test_a_consumed_program_lets_go_of_its_weights_before_serializing_and_gives_
         program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
         weight = weakref.ref(module.model.layers[0].mlp.down_proj.weight)
         del module
-        ptes.append(lower_for_backend(program, recipe, {}, consume_program=consume).pte)
+        ptes.append(lower_for_backend(program, recipe, {}, Lowering(consume_program=consume)).pte)
         gc.collect()
         alive.append(weight() is not None)
         del program

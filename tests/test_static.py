@@ -1,4 +1,4 @@
-"""The static-shape form (models/static_llama.py) and its runner (recipes/static_runner.py, shipped as
+"""The static-shape form (models/static_llama.py) and its runner (recipes/running/static_runner.py, shipped as
 run_static.py): the same model as the dynamic module, and the same tokens through the ExecuTorch runtime."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 
 def _dynamic_and_static(checkpoint, context: int, max_outputs: int | None):
     from models.llama import ExportOptions, build_exportable
-    from recipes.static_program import static_form
+    from recipes.lowering.static_program import static_form
 
     dynamic = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(context, attention="sdpa"))
     base = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(context, attention="sdpa-slice"))
@@ -16,9 +16,9 @@ def _dynamic_and_static(checkpoint, context: int, max_outputs: int | None):
 def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
     """fp32: every position's logits of the evaluation text, prefilled in chunks of 8 (the last one padded) and then
     decoded token by token, equal the dynamic module's; linears split to 8 outputs compute the same."""
-    from recipes import fidelity
-    from recipes.generate import eager_step
-    from recipes.static_program import eager_session
+    from recipes.evaluation import fidelity
+    from recipes.running.generate import eager_step
+    from recipes.lowering.static_program import eager_session
 
     context = 48
     dynamic, static = _dynamic_and_static(tiny_checkpoint, context, 8)
@@ -49,7 +49,7 @@ def tiny_static_twin(tiny_llama_dir, tmp_path_factory):
     """xnnpack-static-fp32 on the tiny Llama through run(), as the CLI runs it, its linears split to 32 outputs as
     a real model's wide ones are."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path_factory.mktemp("static-twin")
     summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=64,
@@ -84,7 +84,7 @@ def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
 
     from executorch.runtime import Runtime
 
-    from recipes.publish import model_card
+    from recipes.output.publish import model_card
 
     out, report = tiny_static_twin
     shipped = (out / "run_static.py").read_bytes()
@@ -102,7 +102,7 @@ def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
 def test_static_programs_have_no_symbolic_dimension(tiny_checkpoint):
     """Both methods' inputs and outputs have fixed sizes: the form a Neural Engine compiles."""
     from models.llama import ExportOptions, build_exportable
-    from recipes.static_program import export_methods, static_form
+    from recipes.lowering.static_program import export_methods, static_form
 
     base = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa-slice"))
     programs = export_methods(static_form(base, {}), 8)
@@ -118,7 +118,7 @@ def test_static_programs_have_no_symbolic_dimension(tiny_checkpoint):
 def builtin_ane_c4w(tmp_path_factory):
     """coreml-ane-c4w on the built-in model, export only (minmax, the quickest algorithm: the program is the same)."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path_factory.mktemp("builtin-ane")
     summary = run(RunRequest(recipes=["coreml-ane-c4w"], out_dir=out, max_seq_len=256, generate=False,
@@ -159,7 +159,7 @@ def test_builtin_ane_c4w_has_both_static_methods_with_every_linear_in_core_ml(bu
 def builtin_static_twin(tmp_path_factory):
     """xnnpack-static-fp32 on the built-in model, export only: the tests drive it as a user does."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path_factory.mktemp("builtin-twin")
     summary = run(RunRequest(recipes=["xnnpack-static-fp32"], out_dir=out, max_seq_len=256, generate=False))
@@ -175,7 +175,7 @@ def test_builtin_twin_answers_paris_through_run_static(builtin_static_twin):
 
     from models.checkpoint import load_checkpoint
     from models.llama import ExportOptions, build_exportable
-    from recipes import generate as gen
+    from recipes.running import generate as gen
 
     out, report = builtin_static_twin
     assert not report.errors, report.errors

@@ -4,8 +4,8 @@ import math
 import zipfile
 from pathlib import Path
 
-from recipes.report import JobSummary, load_report
-from recipes.summary import COLUMNS, MISSING, decision_chart, summary_rows, text_table
+from recipes.output.report import JobSummary, load_report
+from recipes.output.summary import COLUMNS, MISSING, decision_chart, summary_rows, text_table
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -65,7 +65,7 @@ def test_a_recipe_whose_pte_cannot_run_here_puts_every_point_on_bytes_read_per_t
 
 
 def test_a_recipe_folder_zips_whole_with_its_model_card(tiny_fp32_run, tmp_path):
-    from recipes.publish import zip_recipe_folder
+    from recipes.output.publish import zip_recipe_folder
 
     folder, report = tiny_fp32_run
     zipped = zip_recipe_folder(folder, tmp_path / "xnnpack-fp32.zip")
@@ -79,7 +79,7 @@ def test_a_recipe_folder_zips_whole_with_its_model_card(tiny_fp32_run, tmp_path)
 
 
 def test_the_estimate_made_before_the_job_stands_beside_the_measured_figures():
-    from recipes.report import TimeEstimate
+    from recipes.output.report import TimeEstimate
 
     summary = _summary("report_xnnpack_fp32.json")
     report = summary.recipes[0]

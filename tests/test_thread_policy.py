@@ -1,4 +1,4 @@
-"""recipes/thread_policy.py: OpenMP's process default is 1 in every Lowerbench process, set before torch loads; torch
+"""recipes/process/thread_policy.py: OpenMP's process default is 1 in every Lowerbench process, set before torch loads; torch
 keeps one thread per core; runtime calls run with the calling thread's torch threads at 1. The speed it
 buys is measured by the benchmark (bench/decode.py --stock-threads), not here."""
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes import thread_policy
+from recipes.process import thread_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # threads are such threads), and the calling thread's setting.
 PROBE = """
 import ctypes, json, os, sys, threading
-from recipes import thread_policy
+from recipes.process import thread_policy
 applied = thread_policy.limit_openmp_default() if sys.argv[1] == "policy" else None
 import torch
 torch_threads = thread_policy.torch_threads()
@@ -60,7 +60,7 @@ def test_a_users_own_omp_num_threads_is_left_alone():
 
 
 def test_too_late_once_torch_is_loaded():
-    code = ("import os, torch; from recipes import thread_policy; print(thread_policy.limit_openmp_default(), "
+    code = ("import os, torch; from recipes.process import thread_policy; print(thread_policy.limit_openmp_default(), "
             "os.environ.get('OMP_NUM_THREADS'), os.environ.get(thread_policy.POLICY_MARK))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
                             timeout=300)
@@ -74,7 +74,7 @@ def test_too_late_once_torch_is_loaded():
 ])
 def test_entry_points_apply_it_before_torch_loads(entry):
     # the mark is set only when the default could still be set, that is, before torch was loaded
-    code = f"{entry}\nimport os, sys\nfrom recipes import thread_policy\nprint(os.environ.get(thread_policy.POLICY_MARK))"
+    code = f"{entry}\nimport os, sys\nfrom recipes.process import thread_policy\nprint(os.environ.get(thread_policy.POLICY_MARK))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

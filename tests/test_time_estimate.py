@@ -1,13 +1,13 @@
 """The job's time before it runs: each stage's rate fitted to the zoo's cells measured alone, scaled to this host's
-speed (recipes/time_estimate.py, recipes/host_speed.py)."""
+speed (recipes/estimates/time_estimate.py, recipes/estimates/host_speed.py)."""
 import json
 
 import pytest
 
-from recipes.host_speed import HostSpeed, host_speed
-from recipes.job_cost import recipe_options_for
+from recipes.estimates.host_speed import HostSpeed, host_speed
+from recipes.estimates.job_cost import recipe_options_for
 from recipes.registry import get_recipe
-from recipes.time_estimate import estimate_time, fit_power_law
+from recipes.estimates.time_estimate import estimate_time, fit_power_law
 
 UNIT = HostSpeed(python_mops=1.0, matmul_gflops=1.0)
 

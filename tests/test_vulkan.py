@@ -14,7 +14,7 @@ def _mm(report) -> dict:
 def vulkan_run(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama through run() with vulkan-fp32 and vulkan-fp16: (out folder, summary)."""
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
     out = tmp_path_factory.mktemp("vulkan")
     return out, run(RunRequest(recipes=["vulkan-fp32", "vulkan-fp16"], out_dir=out, model=str(tiny_llama_dir),
@@ -41,7 +41,7 @@ def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(v
 
 def test_vulkan_pte_on_the_wheels_runtime_says_where_it_runs(vulkan_run):
     from models.errors import UserFacingError
-    from recipes.generate import load_runtime_method
+    from recipes.running.generate import load_runtime_method
 
     out, _summary = vulkan_run
     with pytest.raises(UserFacingError, match="VulkanBackend programs run on devices with a Vulkan 1.1 GPU"):

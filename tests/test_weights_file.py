@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recipes.request import RunRequest
-from recipes.run import run
+from recipes.pipeline.run import run
 
 PROMPT = "what is the capital of France ?"
 
@@ -24,7 +24,7 @@ def _export_only(model_dir, out, weights_file, recipe="xnnpack-8da4w", max_seq_l
 
 def _runner_pieces(folder, model_dir):
     from models.checkpoint import load_checkpoint
-    from recipes.llm_runner import generate_with_runner
+    from recipes.running.llm_runner import generate_with_runner
 
     checkpoint = load_checkpoint(model_dir and str(model_dir))
     generation = generate_with_runner(folder / "model.pte", folder / "tokenizer.json", checkpoint.tokenizer, PROMPT,
@@ -33,7 +33,7 @@ def _runner_pieces(folder, model_dir):
 
 
 def _runtime_logits(pte):
-    from recipes import generate
+    from recipes.running import generate
 
     _program, method = generate.load_runtime_method(pte, ("executorch.extension.llm.custom_ops.custom_ops",
                                                           "executorch.kernels.quantized"))
@@ -74,7 +74,7 @@ def test_pte_without_its_ptd_does_not_run(tiny_pair_and_single, tmp_path):
 
     (_, _), (pair, _) = tiny_pair_and_single
     (tmp_path / "model.pte").write_bytes((pair / "model.pte").read_bytes())
-    script = ("import sys, torch; from recipes import generate; p, m = generate.load_runtime_method(sys.argv[1], "
+    script = ("import sys, torch; from recipes.running import generate; p, m = generate.load_runtime_method(sys.argv[1], "
               "('executorch.extension.llm.custom_ops.custom_ops', 'executorch.kernels.quantized')); "
               "m.execute([torch.tensor([[5]]), torch.tensor([0])]); print('RAN')")
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pte")], capture_output=True,
@@ -104,7 +104,7 @@ def test_builtin_model_pair_gives_the_runners_tokens_of_the_single_file(builtin_
 
 
 def test_full_job_with_the_pair_generates_profiles_and_ships_it(runner_llama_dir, tmp_path):
-    from recipes.publish import model_card, zip_recipe_folder
+    from recipes.output.publish import model_card, zip_recipe_folder
 
     summary = run(RunRequest(recipes=["xnnpack-8da4w"], out_dir=tmp_path, model=str(runner_llama_dir),
                              prompt=PROMPT, max_new_tokens=8, max_seq_len=64, weights_file=True))
@@ -123,7 +123,7 @@ def test_full_job_with_the_pair_generates_profiles_and_ships_it(runner_llama_dir
 
 def test_size_decides_the_pair_when_not_asked(tiny_checkpoint):
     from recipes.registry import get_recipe
-    from recipes.run import DATA_FILE_ABOVE_BYTES, writes_data_file
+    from recipes.pipeline.run import DATA_FILE_ABOVE_BYTES, writes_data_file
 
     config = tiny_checkpoint.config
     xnnpack, coreml = get_recipe("xnnpack-8da4w"), get_recipe("coreml-int4")
@@ -133,7 +133,7 @@ def test_size_decides_the_pair_when_not_asked(tiny_checkpoint):
     assert writes_data_file(xnnpack, request, config) and not writes_data_file(coreml, request, config)
     big = type(config)(**{**config.to_dict(), "hidden_size": 4096, "intermediate_size": 14336,
                           "num_hidden_layers": 32, "vocab_size": 128256})
-    from recipes.memory_estimate import pte_bytes
+    from recipes.estimates.memory_estimate import pte_bytes
 
     assert pte_bytes(big, xnnpack) > DATA_FILE_ABOVE_BYTES
     request.weights_file = None
@@ -176,7 +176,7 @@ def test_serialize_stage_holds_no_packed_weights_in_memory(monkeypatch, tmp_path
     from executorch.exir.program import _program
     from models.llama import build_exportable
     from quant.schemes import apply_scheme
-    from recipes import lowering
+    from recipes.lowering import lower as lowering
     from recipes.registry import get_recipe
 
     config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
@@ -205,8 +205,8 @@ def test_serialize_stage_holds_no_packed_weights_in_memory(monkeypatch, tmp_path
     monkeypatch.setattr(_program, "serialize_for_executorch", measured)
     tracemalloc.start()
     try:
-        lowered = lowering.lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte",
-                                             ptd_path=tmp_path / "model.ptd", consume_program=True)
+        lowered = lowering.lower_for_backend(program, recipe, {}, lowering.Lowering(
+            pte_path=tmp_path / "model.pte", ptd_path=tmp_path / "model.ptd", consume_program=True))
     finally:
         tracemalloc.stop()
     packed = lowered.ptd_bytes
@@ -219,7 +219,7 @@ def _small_llama_program(recipe, tie: bool = False, quantize: bool = True):
 
     from models.llama import build_exportable
     from quant.schemes import apply_scheme
-    from recipes import lowering
+    from recipes.lowering import lower as lowering
 
     config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tie)
@@ -236,7 +236,7 @@ def test_each_delegates_weights_are_freed_once_packed_and_the_program_is_the_sam
     """With free_weights_as_packed, once the last delegate is packed the live tensors hold less than a tenth of
     what they hold without it (the quantized weights, each delegate's freed as it was packed), and the .pte and
     .ptd are byte for byte those of a lowering that frees nothing."""
-    from recipes import lowering
+    from recipes.lowering import lower as lowering
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-8da4w")
@@ -255,9 +255,9 @@ def test_each_delegates_weights_are_freed_once_packed_and_the_program_is_the_sam
         program, _ = _small_llama_program(recipe)
         monkeypatch.setattr(lowering, "_free_packed", lambda ep, _mode=mode: measured(ep, _mode))
         folder = tmp_path / str(mode)
-        lowered[mode] = lowering.lower_for_backend(program, recipe, {}, pte_path=folder / "model.pte",
-                                                   ptd_path=folder / "model.ptd", consume_program=True,
-                                                   free_weights_as_packed=mode)
+        lowered[mode] = lowering.lower_for_backend(program, recipe, {}, lowering.Lowering(
+            pte_path=folder / "model.pte", ptd_path=folder / "model.ptd", consume_program=True,
+            free_weights_as_packed=mode))
         del program
         gc.collect()
     # two decoder layers' int4 values alone, one byte each, are 6 MB
@@ -268,13 +268,14 @@ def test_each_delegates_weights_are_freed_once_packed_and_the_program_is_the_sam
 def test_a_weight_also_read_outside_the_delegates_is_not_freed(tmp_path):
     """Tied embeddings in fp32: one weight read by the embedding (outside XNNPACK) and by the output layer (inside).
     Freeing the delegates' weights as they are packed leaves it whole: the runtime computes the eager logits."""
-    from recipes import generate, lowering
+    from recipes.running import generate
+    from recipes.lowering import lower as lowering
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-fp32")
     program, eager = _small_llama_program(recipe, tie=True, quantize=False)
-    lowering.lower_for_backend(program, recipe, {}, pte_path=tmp_path / "model.pte", consume_program=True,
-                               free_weights_as_packed=True)
+    lowering.lower_for_backend(program, recipe, {}, lowering.Lowering(
+        pte_path=tmp_path / "model.pte", consume_program=True, free_weights_as_packed=True))
     del program
     _program, method = generate.load_runtime_method(tmp_path / "model.pte", ("executorch.extension.llm.custom_ops.custom_ops",))
     logits = method.execute([torch.tensor([[5, 17, 40, 3, 60, 41]]), torch.tensor([0])])[0]

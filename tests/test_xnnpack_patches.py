@@ -92,7 +92,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from contextlib import nullcontext
-from recipes import generate, lowering
+from recipes.running import generate
+from recipes.lowering import lower as lowering
 from recipes.backends.xnnpack import BACKEND, patched, xnnpack_partitioners
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
@@ -109,7 +110,7 @@ for mode in sys.argv[1:]:
     module = build_exportable(config, weights, options)
     apply_scheme(module, "8da4w", algorithm="hqq")
     program = lowering.export_program(module, 64, strict=BACKEND.strict_export)
-    lowered = lowering.lower_to_pte(program, xnnpack_partitioners({}), lowering_context=context)
+    lowered = lowering.lower_to_pte(program, xnnpack_partitioners({}), lowering.Lowering(lowering_context=context))
     print(mode, "PTE", hashlib.sha256(lowered.pte).hexdigest())
     loaded, method = generate.load_runtime_method(lowered.pte, BACKEND.runtime_imports)
     prefill = method.execute([torch.tensor([[5, 17, 200, 3, 99, 41]]), torch.tensor([0])])[0]
@@ -185,14 +186,14 @@ class _PatchProbe:
 
 def _lower_tiny(tiny_checkpoint, name: str, probe: _PatchProbe):
     from models.llama import build_exportable
-    from recipes.lowering import export_program, lower_to_pte
+    from recipes.lowering.lower import Lowering, export_program, lower_to_pte
     from recipes.registry import get_recipe
 
     recipe = get_recipe(name)
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, recipe.export_options(32))
     program = export_program(module, 32, strict=recipe.backend.strict_export)
-    return lower_to_pte(program, recipe.make_partitioners(recipe.options), transform_passes=[probe],
-                        lowering_context=recipe.backend.lowering_context)
+    return lower_to_pte(program, recipe.make_partitioners(recipe.options),
+                        Lowering(transform_passes=[probe], lowering_context=recipe.backend.lowering_context))
 
 
 def test_xnnpack_lowering_runs_patched_and_leaves_the_originals_behind(tiny_checkpoint):

@@ -1,4 +1,8 @@
 """The zoo's data: every entry is a Llama config the pipeline loads, and every recommendation fits it."""
+import json
+import math
+from pathlib import Path
+
 import pytest
 
 from zoo.entries import load_entries, recommendation_problems
@@ -18,15 +22,21 @@ def test_zoo_entry_config_loads_as_llama_config(repo_id):
     from transformers import LlamaConfig
 
     from models.config import check_llama_config
-    from models.llama import LlamaShape
+    from models.consistency import check_config_sizes
+    from models.llama import LlamaShape, checkpoint_tensors
 
     entry = ENTRIES[repo_id]
     config = entry.llama_config()
     assert isinstance(config, LlamaConfig)
     check_llama_config(config, repo_id)
+    check_config_sizes(config, repo_id)  # raises on sizes that do not fit together
     shape = LlamaShape.from_config(config)
-    assert shape.n_heads * shape.head_dim == config.num_attention_heads * shape.head_dim
-    assert shape.n_heads % shape.n_kv_heads == 0
+    assert shape.n_heads % shape.n_kv_heads == 0 and shape.head_dim % 2 == 0
+    # the module's tensors hold the entry's published parameter count (embeddings counted once when tied)
+    counted = sum(math.prod(size) for name, size in checkpoint_tensors(config).items()
+                  if not (config.tie_word_embeddings and name == "lm_head.weight"))
+    published = json.loads(Path(entry.path).read_text())["parameters"]  # as its model card rounds it: "1.24B"
+    assert counted == pytest.approx(float(published[:-1]) * {"M": 1e6, "B": 1e9}[published[-1]], rel=0.01), published
 
 
 @pytest.mark.parametrize("repo_id", sorted(ENTRIES))

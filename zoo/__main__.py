@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from models.errors import UserFacingError
-from recipes import thread_policy
+from recipes.process import thread_policy
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`python -m zoo matrix`: zoo models x recipes, each cell one Ray task running `recipes.run.run()`
+"""`python -m zoo matrix`: zoo models x recipes, each cell one Ray task running `recipes.pipeline.run.run()`
 with the cores and memory the job's estimate asks for. Cells are resumable (a result with the same key
 is skipped), a failing cell records its stage and reason, and results.json holds every cell."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.errors import UserFacingError
-from recipes import thread_policy
-from recipes.report import JobSummary, package_versions
-from recipes.summary import recipe_figures
-from recipes.time_estimate import RECIPE_STAGES, SHARED_STAGES
+from recipes.process import thread_policy
+from recipes.output.report import JobSummary, package_versions
+from recipes.output.summary import recipe_figures
+from recipes.estimates.time_estimate import RECIPE_STAGES, SHARED_STAGES
 from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry, repo_slug
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def cpu_name() -> str:
 
 def base_record(cell: Cell) -> dict:
     # these load torch, which a Ray task loads after its thread policy
-    from recipes.memory_estimate import parameter_count
+    from recipes.estimates.memory_estimate import parameter_count
     from recipes.registry import get_recipe
 
     now = time.gmtime()
@@ -175,16 +175,16 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
     for that limit, as the matrix's estimate did, not for the node's free RAM."""
     thread_policy.limit_openmp_default()
     if memory_limit_bytes is not None:
-        from recipes.memory_estimate import GB, LIMIT_ENV  # loads torch, after the thread policy
+        from recipes.estimates.memory_estimate import GB, LIMIT_ENV  # loads torch, after the thread policy
 
         os.environ[LIMIT_ENV] = f"{memory_limit_bytes / GB:.3f}"
     if tracker is not None:
         tracker.started.remote(cell.key)
     # torch loads here, after the thread policy
     from recipes.request import RunRequest
-    from recipes.run import run
+    from recipes.pipeline.run import run
 
-    from recipes.host_speed import host_speed  # loads torch, after the thread policy
+    from recipes.estimates.host_speed import host_speed  # loads torch, after the thread policy
 
     record = {**base_record(cell), "host": platform.node(),  # on a cluster: the node that ran the cell
               "memory_limit_bytes": memory_limit_bytes, "host_speed": host_speed().to_dict()}
@@ -256,7 +256,7 @@ def largest_node() -> tuple[float, float]:
 
 def cell_cpus(node_cpus: float) -> int:
     """Every cell takes a whole node: a cell beside it would share its cores, and its stages' seconds are what the
-    time estimate is fitted on (recipes/time_estimate.py), as a decode's tok/s is what the zoo shows."""
+    time estimate is fitted on (recipes/estimates/time_estimate.py), as a decode's tok/s is what the zoo shows."""
     return max(1, int(node_cpus))
 
 
@@ -318,8 +318,8 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print, 
     from tqdm import tqdm
 
     # these load torch, which a Ray task loads after its thread policy
-    from recipes.atomic_write import write_atomically
-    from recipes.memory_estimate import estimate_job
+    from recipes.files.atomic_write import write_atomically
+    from recipes.estimates.memory_estimate import estimate_job
     from recipes.registry import get_recipe
 
     out = Path(out)
@@ -403,7 +403,7 @@ def _model_slug(repo_id: str) -> str:
 def seed_cells(out: Path, results_path: Path) -> int:
     """out/cells filled from an earlier results.json (a cell already in out is kept), so a matrix run adds to
     the zoo instead of replacing it; returns how many were written."""
-    from recipes.atomic_write import write_atomically  # loads torch, which a Ray task loads after its thread policy
+    from recipes.files.atomic_write import write_atomically  # loads torch, which a Ray task loads after its thread policy
 
     written = 0
     for record in json.loads(Path(results_path).read_text())["cells"]:
@@ -418,7 +418,7 @@ def seed_cells(out: Path, results_path: Path) -> int:
 def write_results(out: Path) -> list[dict]:
     """results.json (the latest cell of each question in out/cells), README.md and heatmap.png beside it."""
     # these load torch, which a Ray task loads after its thread policy
-    from recipes.atomic_write import write_atomically
+    from recipes.files.atomic_write import write_atomically
     from zoo.report import write_readme
 
     records = sorted(latest_cells([json.loads(p.read_text()) for p in (Path(out) / "cells").glob("*.json")]),

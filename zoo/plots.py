@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.atomic_write import write_atomically
+from recipes.files.atomic_write import write_atomically
 from zoo.entries import executorch_version, preferred_cell
 
 # A line needs this many models to say anything about how the cost grows.

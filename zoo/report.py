@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.atomic_write import write_atomically
-from recipes.memory_estimate import parameter_count
+from recipes.files.atomic_write import write_atomically
+from recipes.estimates.memory_estimate import parameter_count
 from zoo.entries import load_entries, preferred_cell
 from zoo.plots import save_figure, scaling_series, write_scaling_plot
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from models.errors import UserFacingError
 from quant.schemes import SCHEMES
-from recipes.lowering import share_preprocess_weights, swap_attribute
+from recipes.lowering.lower import share_preprocess_weights, swap_attribute
 from recipes.registry import Backend, recipe
 
 COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_AND_GPU", "cpu_only": "CPU_ONLY"}
@@ -189,8 +189,8 @@ BACKEND = Backend(
     serialize_memory_ratio=4.35,
     # A static recipe's second method: coremltools converts the methods one after the other, then loads both back
     # to join them into one multifunction model whose functions share the weights. Fitted to export-only
-    # coreml-ane-c4w on the built-in model and at Llama-3.2-1B's shape (bench/static_methods.py), with the join's
-    # chunked comparison and collections (lowering_patches).
+    # coreml-ane-c4w on the built-in model and at Llama-3.2-1B's shape (bench/static_methods.py in docs/design.md),
+    # with the join's chunked comparison and collections (lowering_patches).
     lowering_memory_per_method=1.5,
 )
 

@@ -24,7 +24,7 @@ import torch  # before any QNN library: loading them first crashed the adaptor (
 
 from models.errors import UserFacingError
 from quant.pt2e import ANNOTATION, is_output_layer, share_kv_cache_encoding
-from recipes.layer_map import decoder_layer_outputs
+from recipes.evaluation.layer_map import decoder_layer_outputs
 from recipes.registry import Backend, recipe
 
 QNN_SDK_VERSION = "2.37.0.250724"  # the QNN SDK the pinned executorch is built against
@@ -442,7 +442,7 @@ def cannot_run_on_this_host() -> str:
 
 
 # Bytes per weight in the context binary (linears with the 8-bit output layer, embedding): the embedding
-# stays outside HTP in fp16 (recipes/memory_estimate.py).
+# stays outside HTP in fp16 (recipes/estimates/memory_estimate.py).
 _PTE_BYTES_4BIT = (0.7, 2.0)
 _PTE_BYTES_8BIT = (1.0, 2.0)
 

@@ -56,7 +56,7 @@ from typing import Callable
 from models.errors import UserFacingError
 from models.llama import KV_CACHE_DTYPES
 from quant.schemes import SCHEMES
-from recipes.lowering import share_preprocess_weights, spill_named_data, swap_attribute
+from recipes.lowering.lower import share_preprocess_weights, spill_named_data, swap_attribute
 from recipes.registry import Backend, recipe
 
 PATCHED = {"executorch": "1.5.1", "torchao": "0.18.0"}
@@ -420,7 +420,7 @@ BACKEND = Backend(
     # The flatbuffer and what the lowered program still holds; the packed weights are copied from their files.
     serialize_memory_ratio=0.4,
     # A static recipe's second method: each method's delegate payloads are made in turn, the weights stored once in
-    # the named data both reference (bench/static_methods.py measures it).
+    # the named data both reference (measured by bench/static_methods.py: docs/design.md).
     lowering_memory_per_method=0.87,
 )
 

@@ -1,0 +1,1 @@
+"""A job's memory, disk and time, estimated before it runs."""

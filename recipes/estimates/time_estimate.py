@@ -1,0 +1,249 @@
+"""How long a job will take, stage by stage, from the zoo's measured cells (passed in as data: the path of a
+results.json, by default the zoo's own).
+
+A cell is one recipe's job on one model, measured alone on its host, with each stage's seconds (its report's
+timings) and its host's speed (recipes/estimates/host_speed.py). A stage's seconds are fitted as a power law of the model's
+parameters, seconds = scale * (parameters / 1e9) ** exponent, on the cells most like the recipe (the same backend
+and scheme, and for quantizing the same algorithm), widening to the backend's cells, then to every cell, where
+fewer than two model sizes were measured. Seconds are fitted at the cells' speed and scaled to this host's: the
+Python-bound stages by the Python probe, the others by the matmul probe. The stages every recipe of a job shares
+(loading, the fp32 reference) are counted once per job."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recipes.estimates.host_speed import HostSpeed
+
+ZOO_RESULTS = Path(__file__).resolve().parents[2] / "zoo" / "results.json"
+# The job's stages (a report's timings_s keys), and what each stage's seconds depend on, narrowest first.
+SHARED_STAGES = ("load", "reference_generation", "reference_fidelity")
+RECIPE_STAGES = ("quantize", "export", "lower", "serialize", "generate", "fidelity", "runner_generate", "profile")
+FULL_JOB_ONLY = ("reference_generation", "reference_fidelity", "generate", "fidelity", "runner_generate",
+                 "profile")
+GROUPINGS = {
+    "load": ((),),
+    "reference_generation": ((),),
+    "reference_fidelity": ((),),
+    "quantize": (("scheme", "algorithm"), ("scheme",), ()),
+    "export": (("backend", "scheme"), ("backend",), ()),
+    "lower": (("backend", "scheme"), ("backend",), ()),
+    "serialize": (("backend",), ()),
+    "generate": (("backend", "scheme"), ("backend",), ()),
+    "fidelity": (("backend", "scheme"), ("backend",), ()),
+    "runner_generate": (("backend",), ()),
+    "profile": (("backend",), ()),
+}
+# Graph passes written in Python: their seconds follow the Python probe; every other stage's the matmul probe.
+PYTHON_STAGES = ("load", "export", "lower", "serialize")
+# The parts the report and the app show an estimate in.
+PARTS = {"export": ("export",), "lower": ("lower", "serialize")}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured cell, reduced to what the fit reads."""
+
+    backend: str
+    scheme: str
+    algorithm: str | None
+    export_only: bool
+    params: int
+    seconds: dict  # stage -> seconds, as measured
+    speed: HostSpeed
+    cpu: str
+    cores: int | None = None
+    date: str = ""
+
+
+@dataclass(frozen=True)
+class Fit:
+    scale: float  # seconds at 1e9 parameters on a host of unit speed
+    exponent: float
+    cells: int
+    smallest: int  # parameters of the smallest and largest model it was fitted on
+    largest: int
+    group: tuple  # the grouping's values, e.g. ("xnnpack", "8da4w")
+
+    def seconds(self, params: int, speed: float) -> float:
+        return self.scale * (params / 1e9) ** self.exponent / speed
+
+
+@dataclass(frozen=True)
+class RecipeTime:
+    recipe: str
+    seconds: dict  # stage -> seconds on this host (the job's shared stages are not among them)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    def part(self, name: str) -> float:
+        """export, lower (with serializing) or other (the rest of the recipe's own stages)."""
+        if name in PARTS:
+            return sum(self.seconds.get(stage, 0.0) for stage in PARTS[name])
+        named = {stage for stages in PARTS.values() for stage in stages}
+        return sum(seconds for stage, seconds in self.seconds.items() if stage not in named)
+
+
+@dataclass(frozen=True)
+class JobTime:
+    shared: dict  # stage -> seconds of the stages every recipe shares, once per job
+    recipes: list[RecipeTime]
+    smallest: int  # the parameter range of every cell behind the estimate
+    largest: int
+    rates_from: str  # the CPUs, cores and dates of the cells behind it
+    speed: float  # this host's speed against those cells' (Python probe), > 1: faster
+    notes: list[str] = field(default_factory=list)  # where the estimate leaves what the cells measured
+
+    @property
+    def shared_s(self) -> float:
+        return sum(self.shared.values())
+
+    @property
+    def seconds(self) -> float:
+        return self.shared_s + sum(r.total_s for r in self.recipes)
+
+
+def size_label(params: int) -> str:
+    """1.2B, 134M, 27K: parameters as model names give them."""
+    if params >= 1e9:
+        return f"{params / 1e9:.1f}B"
+    if params >= 1e6:
+        return f"{params / 1e6:.0f}M"
+    return f"{params / 1e3:.0f}K"
+
+
+def duration_label(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def samples(path: Path = ZOO_RESULTS) -> tuple[Sample, ...]:
+    """The finished cells that measured their stages alone, read once per version of the results file."""
+    path = Path(path)
+    return _samples(str(path), path.stat().st_mtime_ns if path.is_file() else 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _samples(path: str, _mtime_ns: int) -> tuple[Sample, ...]:
+    from recipes.registry import load_backends  # loads torch: zoo/matrix.py imports this module torch-free
+
+    recipes = load_backends().recipes
+    cells = json.loads(Path(path).read_text())["cells"] if Path(path).is_file() else []
+    found = []
+    for cell in cells:
+        speed = HostSpeed.from_dict(cell.get("host_speed"))
+        if (cell.get("status") != "ok" or not cell.get("alone") or not cell.get("stages_s") or speed is None
+                or cell["recipe"] not in recipes or not cell.get("params")):
+            continue
+        found.append(Sample(backend=cell["backend"], scheme=recipes[cell["recipe"]].quantization,
+                            algorithm=cell.get("quant_algorithm"), export_only=bool(cell.get("export_only")),
+                            params=int(cell["params"]), seconds=dict(cell["stages_s"]), speed=speed,
+                            cpu=cell.get("cpu") or "?", cores=cell.get("cores"), date=cell.get("date") or ""))
+    return tuple(found)
+
+
+def speed_of(stage: str, speed: HostSpeed) -> float:
+    return speed.python_mops if stage in PYTHON_STAGES else speed.matmul_gflops
+
+
+def fit_power_law(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(scale at 1e9 parameters, exponent) by least squares on the logarithms, so every cell's error counts
+    relative to its own time. The exponent is kept at 0 or above: a bigger model never takes less time."""
+    xs = [math.log(params / 1e9) for params, _ in points]
+    ys = [math.log(seconds) for _, seconds in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    exponent = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    exponent = max(0.0, exponent)
+    return math.exp(sum(y - exponent * x for x, y in zip(xs, ys)) / len(xs)), exponent
+
+
+# A stage measured at one model size only scales with the parameters at this exponent (a pass over the weights).
+ONE_SIZE_EXPONENT = 1.0
+MIN_SECONDS = 0.01  # a stage measured as less counts as this, so its logarithm is finite
+
+
+def _fit(cells: list[Sample], stage: str, group: tuple, widest: bool) -> Fit | None:
+    """The stage's fit on these cells (seconds made unit-speed ones); None when they measured fewer than two
+    model sizes, unless this is the widest group, which scales its one size at ONE_SIZE_EXPONENT."""
+    measured = [c for c in cells if stage in c.seconds]
+    points = [(c.params, max(MIN_SECONDS, c.seconds[stage]) * speed_of(stage, c.speed)) for c in measured]
+    sizes = {c.params for c in measured}
+    if len(sizes) >= 2:
+        scale, exponent = fit_power_law(points)
+    elif sizes and widest:
+        exponent = ONE_SIZE_EXPONENT
+        scale = math.exp(sum(math.log(s) - exponent * math.log(p / 1e9) for p, s in points) / len(points))
+    else:
+        return None
+    return Fit(scale, exponent, len(measured), min(sizes), max(sizes), group)
+
+
+@functools.lru_cache(maxsize=512)
+def stage_fit(stage: str, backend: str, scheme: str, algorithm: str | None, export_only: bool,
+              path: str, _mtime_ns: int) -> Fit | None:
+    """The stage's fit for a recipe like this, from the narrowest group of cells that measured two sizes."""
+    wanted = {"backend": backend, "scheme": scheme, "algorithm": algorithm, "export_only": export_only}
+    cells = _samples(path, _mtime_ns)
+    groupings = GROUPINGS[stage]
+    for index, grouping in enumerate(groupings):
+        chosen = [c for c in cells if all(getattr(c, key) == wanted[key] for key in grouping)]
+        fit = _fit(chosen, stage, tuple(wanted[key] for key in grouping), widest=index == len(groupings) - 1)
+        if fit is not None:
+            return fit
+    return None
+
+
+def estimate_time(params: int, recipes: list, options: dict, generate: bool, speed: HostSpeed,
+                  path: Path = ZOO_RESULTS) -> JobTime:
+    """Seconds of running `recipes` (registry Recipes, one after another) on a model of `params` parameters, on a
+    host of `speed`. options: recipe name -> its options (the algorithm among them)."""
+    path = Path(path)
+    key = (str(path), path.stat().st_mtime_ns if path.is_file() else 0)
+    cells = _samples(*key)
+    if not cells:
+        raise ValueError(f"{path} has no cell measured alone with its stages; the time estimate needs some.")
+    used: list[Fit] = []
+    notes: list[str] = []
+
+    def seconds(stage: str, recipe=None) -> float | None:
+        backend = recipe.backend.name if recipe else ""
+        scheme = recipe.quantization if recipe else ""
+        algorithm = options.get(recipe.name, {}).get("quant_algorithm") if recipe else None
+        fit = stage_fit(stage, backend, scheme, algorithm, not generate, *key)
+        if fit is None:
+            return None
+        used.append(fit)
+        if recipe is not None and stage in ("lower", "quantize") and len(fit.group) < len(GROUPINGS[stage][0]):
+            what = f"{scheme} with {algorithm}" if stage == "quantize" and algorithm else f"{scheme} on {backend}"
+            notes.append(f"no zoo cell measured {what}: its {stage} time is that of similar recipes")
+        return fit.seconds(params, speed_of(stage, speed))
+
+    wanted_shared = [s for s in SHARED_STAGES if generate or s not in FULL_JOB_ONLY]
+    shared = {stage: s for stage in wanted_shared if (s := seconds(stage)) is not None}
+    per_recipe = []
+    for recipe in recipes:
+        stages = [s for s in RECIPE_STAGES if generate or s not in FULL_JOB_ONLY]
+        per_recipe.append(RecipeTime(recipe.name, {stage: s for stage in stages
+                                                   if (s := seconds(stage, recipe)) is not None}))
+        if options.get(recipe.name, {}).get("mixed_precision_budget"):
+            notes.append("no zoo cell measured a mixed-precision search, which adds minutes to quantizing")
+    smallest, largest = min(f.smallest for f in used), max(f.largest for f in used)
+    if not smallest <= params <= largest:
+        notes.append(f"a {size_label(params)} model is outside the {size_label(smallest)}–{size_label(largest)} "
+                     "the cells measured: extrapolated")
+    hosts = sorted({(c.cpu, c.cores) for c in cells})
+    dates = sorted(c.date for c in cells if c.date)
+    rates_from = "; ".join(f"{cpu}, {cores} cores" for cpu, cores in hosts) + (f" ({dates[0]} to {dates[-1]})"
+                                                                               if dates else "")
+    reference = sorted(c.speed.python_mops for c in cells)[len(cells) // 2]
+    return JobTime(shared, per_recipe, smallest, largest, rates_from, speed.python_mops / reference,
+                   list(dict.fromkeys(notes)))

@@ -1,0 +1,1 @@
+"""One job from checkpoint to report: run, prepare, and the stages they report."""

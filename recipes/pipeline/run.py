@@ -1,0 +1,365 @@
+"""Run one or several recipes on one checkpoint: load once, quantize and export once per distinct
+(scheme, module options), lower per recipe, generate, and write model.pte + report.json per recipe.
+This is the function both `python -m recipes run` and the app call."""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.llama import ATTENTION_SINK_TOKENS, ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
+from models.prompting import stop_token_ids
+from quant.layer_error import eager_layer_outputs
+from quant.schemes import check_group_size_fits
+from recipes.evaluation import fidelity
+from recipes.running import llm_runner
+from recipes.process import malloc_policy
+from recipes.estimates import memory_estimate
+from recipes.process import thread_policy
+from recipes.running import generate as gen
+from recipes.lowering import static_program
+from recipes.running import profile as profiling
+from recipes.files.atomic_write import write_atomically
+from recipes.process.collector_policy import collector_skipping_older_objects
+from recipes.estimates.host_speed import host_speed
+from recipes.evaluation.layer_major_reference import layer_major_scores
+from recipes.evaluation.layer_map import layer_map, windows_of
+from recipes.lowering.llm_metadata import llm_metadata
+from recipes.lowering.lower import LoweredProgram, Lowering, OutputWriteError, lower_for_backend
+from recipes.pipeline.prepare import Prepared, prepare
+from recipes.files.pte_program import PTD_NAME, PTE_NAME
+from recipes.registry import Recipe, backend_packages, get_recipe
+from recipes.output.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
+                            MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, TimeEstimate,
+                            package_versions)
+from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, recipe_options,
+                             validate_request)
+from recipes.pipeline.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
+from recipes.output.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
+from recipes.estimates.time_estimate import estimate_time, size_label
+from recipes.files.tokenizer_files import tokenizer_files
+
+# Above 2 GiB a single file passes a signed 32-bit size, which tools that take a file in one piece do not
+# (a java.nio MappedByteBuffer on Android, a byte[] read); the program stays small and the weights go apart.
+DATA_FILE_ABOVE_BYTES = 2**31
+# The eager reference runs in fp32 when it fits, else in the checkpoint's own dtype (memory_estimate.py).
+REFERENCE_ENGINES = dict(zip((torch.float32, torch.bfloat16, torch.float16), REFERENCE_ENGINE_NAMES))
+
+
+@dataclass
+class _Job:
+    """What every recipe of a job shares."""
+    request: RunRequest
+    checkpoint: Checkpoint
+    model: ModelInfo
+    memory: memory_estimate.JobMemoryCheck
+    stages: Stages
+    shared: Figures  # the stages before any recipe's
+    versions: dict[str, str | None]
+    tokenizer_files: dict[str, bytes]
+    reference: Generation | None = None
+    eval_reference: fidelity.EvalReference | None = None
+    prepared: dict[tuple, Prepared] = field(default_factory=dict)  # quantized modules a later recipe shares
+    time_estimates: dict[str, TimeEstimate] = field(default_factory=dict)  # recipe -> its estimate before the job
+    shared_s: float = 0.0  # the wall of the stages every recipe shares (loading, the reference)
+
+
+def run(request: RunRequest, progress: Progress | None = None, cancel: threading.Event | None = None) -> JobSummary:
+    """The job's summary; each recipe's report is also on disk."""
+    started = time.perf_counter()
+    thread_policy.torch_threads()
+    malloc_policy.unmap_large_blocks()
+    recipes = [get_recipe(name) for name in request.recipes]
+    validate_request(request, recipes)
+    options = {recipe.name: recipe_options(recipe, request.options) for recipe in recipes}
+    stages, shared = Stages(progress, cancel, total=3 + 7 * len(recipes)), Figures()
+    memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options,
+                                            request.layer_map)
+
+    def check_config(config) -> None:  # before any weight is read or downloaded
+        check_limits(config, request.max_seq_len, options)
+        for recipe in recipes:
+            check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), config)
+        memory(config)
+
+    with stages.stage("loading the checkpoint", shared, "load"):
+        checkpoint = load_checkpoint(request.model, revision=request.revision, token=request.token,
+                                     allow_pickle=request.allow_pickle, progress=progress, check_config=check_config)
+    check_prompt_fits(checkpoint, request)
+    job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
+               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer),
+               time_estimates=_time_estimates(checkpoint.config, recipes, options, request.generate))
+    if request.generate:
+        _reference(job)
+    job.shared_s = time.perf_counter() - started
+    out_dir = Path(request.out_dir)
+    reports = []
+    for index, recipe in enumerate(recipes):
+        needed_later = {preparation_key(later, options[later.name], request.max_seq_len)
+                        for later in recipes[index + 1:]}
+        recipe_dir = out_dir if len(recipes) == 1 else out_dir / recipe.name
+        reports.append(_run_recipe(job, recipe, options[recipe.name], recipe_dir, needed_later))
+    summary = JobSummary(job.model, job.reference, reports)
+    if len(recipes) > 1:
+        write_atomically(out_dir / "summary.json", json.dumps(summary_rows(summary), indent=2, ensure_ascii=False).encode())
+    if progress:
+        progress(1.0, "done")
+    return summary
+
+
+def _time_estimates(config, recipes: list[Recipe], options: dict, generate: bool) -> dict[str, TimeEstimate]:
+    """Each recipe's seconds as the app estimates them before the click, to set beside the measured ones."""
+    try:
+        estimate = estimate_time(memory_estimate.parameter_count(config), recipes, options, generate, host_speed())
+    except ValueError:  # a zoo without cells measured stage by stage gives no estimate; the job runs without one
+        return {}
+    fitted_on = f"{size_label(estimate.smallest)}–{size_label(estimate.largest)}"
+    return {r.recipe: TimeEstimate(export=round(r.part("export"), 1), lower=round(r.part("lower"), 1),
+                                   other=round(r.part("other"), 1), total=round(estimate.shared_s + r.total_s, 1),
+                                   fitted_on=fitted_on, shared=round(estimate.shared_s, 1),
+                                   rates_from=estimate.rates_from, host_speed=round(estimate.speed, 2))
+            for r in estimate.recipes}
+
+
+def _reference(job: _Job) -> None:
+    """The eager reference's generation and its logits on the evaluation texts (with each decoder layer's output
+    for the layer map): what every recipe is measured against."""
+    request, checkpoint = job.request, job.checkpoint
+    texts = (fidelity.EVAL_TEXT, fidelity.HELDOUT_TEXT)
+    eval_ids = [fidelity.eval_token_ids(checkpoint.tokenizer, text) for text in texts]
+    if job.memory.estimate:  # again with the texts' token counts by this tokenizer, before the reference is built
+        job.memory(checkpoint.config, [len(ids) for ids in eval_ids])
+    estimate = job.memory.estimate
+    reference_dtype = estimate.reference_dtype if estimate else torch.float32
+    weight_dtype = estimate.reference_weight_dtype if estimate else None
+    if weight_dtype != checkpoint.dtype:
+        weight_dtype = None  # only weights stored in that dtype stay in it: a cast would round them
+    engine = REFERENCE_ENGINES[reference_dtype]
+    if estimate is not None and estimate.reference_layer_major:
+        with job.stages.stage(f"{engine} reference logits on the evaluation texts, one layer at a time", job.shared,
+                              "reference_fidelity"):
+            scored = layer_major_scores(checkpoint.config, checkpoint.state_dict, eval_ids, request.max_seq_len)
+            job.eval_reference = fidelity.EvalReference(engine, *scored)
+        return
+    with job.stages.stage(f"generating with the {engine} reference", job.shared, "reference_generation"):
+        module = build_exportable(
+            checkpoint.config, checkpoint.state_dict,
+            ExportOptions(request.max_seq_len, attention="sdpa", dtype=reference_dtype, weight_dtype=weight_dtype),
+            tie_output=True,
+        )
+        job.reference = _generate(gen.eager_step(module), engine, job)
+        if weight_dtype not in (None, reference_dtype):
+            job.reference.weights_dtype = str(weight_dtype).replace("torch.", "")
+    with job.stages.stage(f"{engine} reference logits on the evaluation texts", job.shared, "reference_fidelity"):
+        scored = [fidelity.score_text(gen.eager_step(module), ids, request.max_seq_len) for ids in eval_ids]
+        layers = (eager_layer_outputs(module, windows_of(eval_ids[0], request.max_seq_len)) if request.layer_map
+                  else None)
+        job.eval_reference = fidelity.EvalReference(engine, *scored, layers=layers)
+    del module
+    gc.collect()  # a parametrized module (models/compute_dtype.py) is freed by the cycle collector only
+
+
+def _generate(step, engine: str, job: _Job) -> Generation:
+    request, checkpoint = job.request, job.checkpoint
+    return gen.generate(step, engine, checkpoint.tokenizer, request.prompt, request.max_new_tokens,
+                        request.max_seq_len, temperature=request.temperature, top_p=request.top_p,
+                        stop_ids=checkpoint.eos_token_ids)
+
+
+def kv_cache_section(recipe: Recipe, options: dict, config, max_seq_len: int) -> KvCache | None:
+    """recipe.kv_cache, for a recipe that takes the KV cache options: the caches as its program holds them."""
+    if "kv_cache" not in options:
+        return None
+    form = recipe.export_options(max_seq_len, options)
+    return KvCache(dtype=options["kv_cache"], window=form.kv_window,
+                   sink_tokens=ATTENTION_SINK_TOKENS if form.kv_window else None, rows=form.cache_rows,
+                   bytes=kv_cache_bytes(LlamaShape.from_config(config), form), tokens_per_call=form.call_tokens)
+
+
+def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple]) -> Report:
+    """One recipe from quantization to its report.json, written once. A failing recipe records why in its report
+    and ships no .pte; the job's other recipes still run."""
+    request, started = job.request, time.perf_counter()
+    figures = copy.deepcopy(job.shared)
+    report = Report(model=job.model, versions=job.versions, timings=figures.timings,
+                    recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
+                                      options=dict(options), max_seq_len=request.max_seq_len,
+                                      runs_on=recipe.backend.runs_on,
+                                      kv_cache=kv_cache_section(recipe, options, job.checkpoint.config,
+                                                                request.max_seq_len)),
+                    threads=Threads.from_dict(thread_policy.describe(), strict=True),
+                    generations=[job.reference] if job.reference else [])
+    module, lowered = _lower(job, recipe, options, recipe_dir, needed_later, figures, report)
+    if not request.generate:
+        report.generation_note = "export only: no sample generations and no fidelity were asked for"
+    elif module is not None or lowered is not None:
+        _generate_and_measure(job, recipe, module, lowered, figures, report)
+    # The quantized module (unless a later recipe shares it) is released before the LLM runner and the profile
+    # load the .pte again.
+    module = None
+    for key in [key for key in job.prepared if key not in needed_later]:
+        del job.prepared[key]
+    if lowered is not None and report.errors:
+        for path in (lowered.pte_path, lowered.ptd_path):  # a recipe that failed later ships no .pte
+            if path is not None:
+                path.unlink(missing_ok=True)
+    elif lowered is not None:
+        _ship(job, recipe, lowered, recipe_dir, figures, report)
+    with job.stages.stage(f"profiling {recipe.name}", figures, "profile"):
+        if recipe.static_io and request.profile:
+            report.profile_note = static_program.PROFILE_NOTE
+        else:
+            report.profile, report.profile_note = profiling.recipe_profile(
+                report, recipe_dir, recipe.backend.runtime_imports,
+                lambda step: _generate(step, gen.ENGINE_RUNTIME, job), enabled=request.profile)
+    figures.timings.peak_rss_mb = peak_rss_mb(figures.peaks)
+    figures.timings.total = round(job.shared_s + time.perf_counter() - started, 1)
+    figures.timings.estimate = job.time_estimates.get(recipe.name)
+    estimate = job.memory.estimate
+    report.memory = Memory(peak_rss_mb_by_stage=figures.peaks, peak_rss_mb=figures.timings.peak_rss_mb,
+                           estimate=MemoryEstimate.from_dict(estimate.to_dict(), strict=True) if estimate else None)
+    write_atomically(recipe_dir / "report.json", report.to_json().encode())
+    return report
+
+
+def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple], figures: Figures,
+           report: Report) -> tuple[torch.nn.Module | None, LoweredProgram | None]:
+    """The recipe's quantized module (None when nothing runs it again) and its program lowered into
+    recipe_dir/model.pte; a failure leaves what was made so far and the error in the report."""
+    request, checkpoint = job.request, job.checkpoint
+    module = lowered = None
+    stage = "prepare"
+    try:
+        with collector_skipping_older_objects():
+            module, program, report.quantization = prepare(recipe, options, checkpoint, request.max_seq_len,
+                                                           job.prepared, job.stages, figures)
+        ptd_path = recipe_dir / PTD_NAME if writes_data_file(recipe, request, checkpoint.config) else None
+        stage = "lower"
+        backend = recipe.backend
+        with job.stages.stage(f"lowering to {backend.title} ({recipe.name})", figures, "lower"):
+            report.recipe.options = {**options, **backend.describe_options(options)}
+            metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
+                                    request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
+                                    stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))
+            if recipe.static_io:
+                metadata.update(static_program.static_metadata(module, int(options["prefill_chunk"])))
+            report.llm_metadata = LlmMetadata.from_dict(metadata, strict=True)
+            key = preparation_key(recipe, options, request.max_seq_len)
+            if not request.generate and key not in needed_later:
+                # Nothing runs the module again: the program's weights are its only copy, released once lowered.
+                job.prepared.pop(key, None)
+                module = None
+            lowered = lower_for_backend(program, recipe, options, Lowering(
+                constant_methods=metadata, generate_etrecord=request.etrecord, pte_path=recipe_dir / PTE_NAME,
+                ptd_path=ptd_path, consume_program=True, free_weights_as_packed=module is None))
+        figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
+        figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
+        del program  # the lowered program is in the .pte now
+        if (module is not None and key not in needed_later
+                and not memory_estimate.module_runs_again(recipe, request.generate, request.layer_map)):
+            job.prepared.pop(key, None)
+            module = None
+        # The export and lowering graphs are reference cycles: collected now, their memory is reused by the
+        # runtime's load of the .pte instead of adding to it.
+        gc.collect()
+        malloc_policy.trim_freed_heap()
+        report.delegation = Delegation.from_dict(lowered.delegation, strict=True)
+    except (Cancelled, OutputWriteError):
+        raise
+    except Exception as err:  # a failing backend must not take the other recipes down; the report says why
+        report.errors.append(StageError.of(stage, err))
+    return module, lowered
+
+
+def writes_data_file(recipe: Recipe, request: RunRequest, config) -> bool:
+    """Whether the recipe's weights go to a .ptd beside its .pte: where its backend can write one, when asked, or
+    unasked when the program would pass DATA_FILE_ABOVE_BYTES."""
+    if recipe.backend.named_data_context is None or request.weights_file is False:
+        return False
+    return bool(request.weights_file) or memory_estimate.pte_bytes(config, recipe) > DATA_FILE_ABOVE_BYTES
+
+
+def _generate_and_measure(job: _Job, recipe: Recipe, module: torch.nn.Module, lowered: LoweredProgram | None,
+                          figures: Figures, report: Report) -> None:
+    """The recipe's sample generation, then its fidelity (and layer map) against the reference. The step loop's
+    program is released on return."""
+    request, step = job.request, None
+    try:
+        with job.stages.stage(f"generating with {recipe.name}", figures, "generate"):
+            step, engine = _recipe_engine(recipe, module, lowered, report)
+            report.generations.append(_generate(step, engine, job))
+    except Cancelled:
+        raise
+    except Exception as err:
+        report.errors.append(StageError.of("generate", err))
+    if step is None or job.eval_reference is None:
+        return
+    reference = job.eval_reference
+    try:
+        with job.stages.stage(f"measuring fidelity of {recipe.name}", figures, "fidelity"):
+            report.fidelity = fidelity.recipe_fidelity(step, engine, recipe.quantization, request.max_seq_len,
+                                                       reference)
+        if request.layer_map:
+            with job.stages.stage(f"mapping error per layer of {recipe.name}", figures, "layer_map"):
+                report.fidelity.layers = layer_map(
+                    engine, module, recipe, report.recipe.options, reference.layers,
+                    windows_of(reference.eval.ids, request.max_seq_len), request.max_seq_len,
+                    on_runtime=engine == gen.ENGINE_RUNTIME)
+    except Cancelled:
+        raise
+    except Exception as err:  # a measurement that fails does not withhold a good .pte; the report says why
+        if report.fidelity is None:
+            report.fidelity = Fidelity(error=StageError.of("fidelity", err))
+        else:
+            report.fidelity.layers = LayerMap(error=StageError.of("layer_map", err))
+
+
+def _recipe_engine(recipe: Recipe, module: torch.nn.Module, lowered: LoweredProgram | None, report: Report) -> tuple:
+    """(step, engine) for a recipe's generation and fidelity: the .pte on the runtime when it runs here
+    (loaded once); otherwise the same quantized model in eager PyTorch (or the converted PT2E graph),
+    labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
+    backend = recipe.backend
+    why_not = "lowering failed" if lowered is None else backend.cannot_run_here()
+    if why_not is None and recipe.static_io:
+        return static_program.runtime_session(lowered.pte_path).step, gen.ENGINE_RUNTIME
+    if why_not is None:
+        return gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports)), gen.ENGINE_RUNTIME
+    report.runtime_note = why_not
+    if recipe.static_io:
+        session = static_program.eager_session(module, int(report.recipe.options["prefill_chunk"]))
+        return session.step, backend.eager_engine
+    return gen.eager_step(module), backend.eager_engine
+
+
+def _ship(job: _Job, recipe: Recipe, lowered: LoweredProgram, recipe_dir: Path, figures: Figures,
+          report: Report) -> None:
+    """A finished recipe's folder: the .pte's section, the tokenizer files, ExecuTorch's LLM runner on them where
+    the .pte runs here, and the ETRecord when asked for."""
+    report.pte = Pte(path=str(lowered.pte_path), bytes=lowered.pte_bytes, sha256=lowered.pte_sha256)
+    if lowered.ptd_path is not None:
+        report.pte.ptd_path, report.pte.ptd_bytes, report.pte.ptd_sha256 = (str(lowered.ptd_path), lowered.ptd_bytes,
+                                                                            lowered.ptd_sha256)
+    for name, data in job.tokenizer_files.items():
+        write_atomically(recipe_dir / name, data)
+    if recipe.static_io:
+        write_atomically(recipe_dir / static_program.RUNNER_NAME, static_program.runner_source())
+        report.runner_note = static_program.runner_note(recipe.backend.cannot_run_here())
+    elif job.request.generate and recipe.backend.cannot_run_here() is None:
+        with job.stages.stage(f"generating with ExecuTorch's LLM runner ({recipe.name})", figures, "runner_generate"):
+            request, checkpoint = job.request, job.checkpoint
+            generation, report.runner_note = llm_runner.runner_generation(
+                recipe_dir / PTE_NAME, recipe_dir / "tokenizer.json", checkpoint.tokenizer, request.prompt,
+                request.max_new_tokens, temperature=request.temperature, eos_token_ids=checkpoint.eos_token_ids,
+                runtime_imports=recipe.backend.runtime_imports)
+        if generation is not None:  # before the step loop's, which stays for fidelity
+            after_reference = 1 if report.generations and report.generations[0].engine == gen.ENGINE_EAGER_FP32 else 0
+            report.generations.insert(after_reference, generation)
+    if lowered.etrecord is not None:
+        write_atomically(recipe_dir / profiling.ETRECORD_NAME, lowered.etrecord)

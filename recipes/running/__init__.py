@@ -1,0 +1,1 @@
+"""Running a program: the runtime's steps, ExecuTorch's LLM runner, the static runner, profiles."""

@@ -1,0 +1,1 @@
+"""The app's side: its jobs, each in its own process and folder."""

@@ -37,7 +37,8 @@ from torch import nn  # noqa: E402
 
 from bench.decode import MAX_SEQ_LEN, set_runtime_threads  # noqa: E402  (MAX_SEQ_LEN: the context the benchmark exports with)
 from bench.memory import INT4_G32_BYTES_PER_WEIGHT  # noqa: E402
-from models.llama import Attention, ExportOptions, LlamaShape, RMSNorm  # noqa: E402
+from models.attention import form_for  # noqa: E402
+from models.llama import ExportOptions, LlamaShape, RMSNorm  # noqa: E402
 from quant.schemes import quantize_linears_8da4w  # noqa: E402
 from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners  # noqa: E402
 from recipes.running.generate import load_runtime_method  # noqa: E402
@@ -107,14 +108,14 @@ class _Norms(nn.Module):
 
 class CacheAttention(nn.Module):
     """A decode step's work outside the XNNPACK delegate, layer after layer: the cache writes and custom_sdpa
-    of models/llama.py's Attention (its own methods, in the given module form), chained over the layers."""
+    of the custom-ops attention form (models/attention/executorch_ops.py, its own methods), chained over the layers."""
 
     def __init__(self, shape, options):
         super().__init__()
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers the llama:: ops)
 
         self.context = options.max_seq_len
-        self.layers = nn.ModuleList(Attention(shape, options) for _ in range(shape.n_layers))
+        self.layers = nn.ModuleList(form_for(options)(shape, options) for _ in range(shape.n_layers))
         for layer in self.layers:  # the probe calls only the cache methods: no projection weights in its program
             del layer.qkv_proj, layer.o_proj
 
@@ -123,8 +124,8 @@ class CacheAttention(nn.Module):
         torch._check(start_pos >= 0)
         torch._check(start_pos + q.shape[1] <= self.context)
         for layer in self.layers:
-            layer.write_cache_custom(k, v, start_pos)
-            q = layer.attend_cache_custom(q, start_pos)  # chained, so every layer's sdpa stays in the program
+            layer.write_cache(k, v, start_pos)
+            q = layer.attend_cache(q, start_pos)  # chained, so every layer's sdpa stays in the program
         return q
 
 

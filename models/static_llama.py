@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama import Attention, LlamaForExport, rotate_half
+from models.attention.base import AttentionForm
+from models.llama import LlamaForExport
+from models.rope import rotate_half
 
 class SplitLinear(nn.Module):
     """A linear computed as row blocks of its weight, joined on the output: the same numbers, narrower ops."""
@@ -54,7 +56,7 @@ def split_wide_linears(module: nn.Module, max_outputs: int) -> int:
     return len(wide)
 
 
-def _static_attention(attn: Attention, x, cos, sin, k_cache, v_cache, mask):
+def _static_attention(attn: AttentionForm, x, cos, sin, k_cache, v_cache, mask):
     """One layer's attention over the given cache and this call's own keys: (output, k_new, v_new)."""
     bsz, seq_len, _ = x.shape
     q = attn.q_proj(x).view(bsz, seq_len, attn.n_heads, attn.head_dim)

@@ -127,6 +127,16 @@ def test_no_module_outside_a_backend_file_imports_it():
     assert wrong == {}
 
 
+def test_no_module_outside_the_attention_folder_imports_a_form():
+    """The module picks its form by name (models.attention.form_for); only the forms' own folder names them."""
+    graph = import_graph()
+    shared = {"models.attention", "models.attention.base"}
+    forms = {name for name in graph if name.startswith("models.attention.")} - shared
+    wrong = {module: sorted(targets & forms) for module, targets in graph.items()
+             if not module.startswith("models.attention.") and targets & forms}
+    assert forms and wrong == {}
+
+
 def unexplained_function_imports(path: Path, modules: dict[str, Path]) -> list[str]:
     """Project imports inside functions with no comment saying why: on the import's own line, or on a line of
     the run of imports and comments just above it (one reason may cover a run)."""

@@ -1,5 +1,7 @@
 import contextlib
+import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,9 +26,43 @@ SHARED_FIXTURE_GROUPS = {"builtin_run": "builtin", "builtin_8da4w_run": "builtin
                          "ray_cluster": "ray", "ray_head": "ray", "builtin_int8_ring_folder": "kv-cache"}
 
 
+# The fast tier (`pytest -m "not slow"`) leaves out every test that exports, lowers or runs a job: the built-in
+# model's, the browser's, Ray's, and any whose own code or fixtures make a program.
+SLOW_FIXTURES = {"builtin_run", "builtin_8da4w_run", "builtin_fp32_run", "builtin_int8_ring_folder", "ray_cluster",
+                 "ray_head", "runner_llama_run", "tiny_fp32_run", "tiny_fp32_lowered", "tiny_qnn_16a4w"}
+SLOW_CALLS = re.compile(r"\b(run_main|run_cli|running_app|launch_browser|lower_for_backend|lower_to_pte|"
+                        r"export_program|export_methods|run|run_job|subprocess\.run|Popen)\(")
+
+
+def makes_a_program(function) -> bool:
+    try:
+        return bool(function and SLOW_CALLS.search(inspect.getsource(function)))
+    except (OSError, TypeError):
+        return False
+
+
+# Modules whose tests, through helpers of their own, lower or run programs nearly throughout.
+SLOW_MODULES = {"test_app", "test_builtin", "test_coreml", "test_deploy", "test_kv_cache", "test_matrix",
+                "test_matrix_cluster", "test_profile", "test_qnn", "test_quiet_run", "test_spine", "test_static",
+                "test_vulkan", "test_weights_file", "test_xnnpack_patches", "test_zoo_app"}
+
+
+def is_slow(item) -> bool:
+    if item.get_closest_marker("builtin") or SLOW_FIXTURES & set(item.fixturenames):
+        return True
+    if item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+        return True
+    fixtures = [definition.func for name in item.fixturenames
+                for definition in item._fixtureinfo.name2fixturedefs.get(name, ())
+                if not definition.func.__module__.startswith(("_pytest", "pytest"))]
+    return any(makes_a_program(function) for function in [getattr(item, "function", None), *fixtures])
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
         groups = {SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS}
         for group in groups:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -219,6 +219,7 @@ def _pt2e_logits_error(random_llama, algorithm):
     return ((got - expected).pow(2).mean() / expected.pow(2).mean()).item()
 
 
+@pytest.mark.slow
 def test_awq_is_no_worse_than_minmax_under_the_pt2e_16a4w_quantizer(random_llama):
     _assert_no_worse_than_minmax(_pt2e_logits_error(random_llama, "awq"), _pt2e_logits_error(random_llama, "minmax"))
 
@@ -377,6 +378,7 @@ def test_calibration_and_evaluation_texts_share_no_32_token_window():
     assert _windows_of_tokens(list(range(50))) & _windows_of_tokens(list(range(10, 80)))
 
 
+@pytest.mark.slow
 def test_gptq_reads_its_own_calibration_tokens_and_the_searches_the_default(tiny_checkpoint):
     """GPTQ's Hessians need many more tokens than they are wide; AWQ's search and the mixed-precision search,
     which run the model once per candidate, keep to the default count. The report says which read what."""
@@ -436,6 +438,7 @@ def test_awq_quantized_piece_by_piece_as_it_is_built_is_the_whole_float_modules_
     assert not torch.equal(by_unit_state[norm], tiny_checkpoint.state_dict[norm].to(torch.float32))
 
 
+@pytest.mark.slow
 def test_mixed_precision_measures_every_unit_and_keeps_the_best_per_byte_within_the_budget(random_llama):
     from models.llama import ExportOptions, build_exportable
     from quant.mixed_precision import choose_8bit_units, linear_weight_bytes

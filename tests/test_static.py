@@ -88,7 +88,7 @@ def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
 
     out, report = tiny_static_twin
     shipped = (out / "run_static.py").read_bytes()
-    assert shipped == (Path(__file__).resolve().parent.parent / "recipes" / "static_runner.py").read_bytes()
+    assert shipped == (Path(__file__).resolve().parent.parent / "recipes" / "running" / "static_runner.py").read_bytes()
     methods = Runtime.get().load_program(str(out / "model.pte")).method_names
     assert {"prefill", "decode", "get_prefill_len", "get_kv_cache_shape", "get_max_seq_len"} <= methods
     assert "forward" not in methods

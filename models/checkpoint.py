@@ -20,7 +20,7 @@ import torch
 from models.builtin import converted_folder, is_complete, save_converted
 from models.config import check_llama_config, read_config
 from models.consistency import check_config_sizes, check_tensors, check_token_ids
-from models.errors import UserFacingError
+from models.errors import UserFacingError, last_line
 from models.hub import download_from_hub
 
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -333,7 +333,7 @@ def load_gguf(path: Path, check_config=None) -> Checkpoint:
         raise
     except Exception as err:  # transformers raises many types for a GGUF whose metadata and tensors disagree
         raise UserFacingError(f"{path.name} could not be read as a Llama ({type(err).__name__}: "
-                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); convert the model "
+                              f"{last_line(err)}); convert the model "
                               "again or give its Hugging Face folder.") from None
     config = model.config
     config.quantization_config = None

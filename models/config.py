@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from models.errors import UserFacingError
+from models.errors import UserFacingError, last_line
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -45,7 +45,7 @@ def read_config(folder: Path):
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers' validators raise several types, the reason on the error's last line
-        reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        reason = last_line(err) or type(err).__name__
         raise UserFacingError(f"{folder}: config.json does not hold together ({reason}); fix config.json or "
                               "re-download the model.") from None
     config.quantization_config = None

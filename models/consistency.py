@@ -11,7 +11,8 @@ from collections.abc import Mapping
 import torch
 
 from models.errors import UserFacingError
-from models.llama import checkpoint_tensors, rope_frequencies
+from models.llama import checkpoint_tensors
+from models.rope import rope_frequencies
 
 # Activations Hugging Face's Llama computes as SiLU (transformers' ACT2FN): the only one the module computes.
 SILU_NAMES = ("silu", "swish")

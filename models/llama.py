@@ -23,12 +23,8 @@ from torch import nn
 from models.attention import form_for
 from models.attention.base import AttentionForm
 from models.compute_dtype import compute_in
-from models.module_options import ATTENTION_SINK_TOKENS, KV_CACHE_DTYPES, NORM_FORMS, ExportOptions, LlamaShape
-from models.rope import rope_frequencies, rope_head_mask, rotate_half_matrix
-
-# Names other modules read from here: the module's options and shape, and the ring's sink count.
-__all__ = ["ATTENTION_SINK_TOKENS", "KV_CACHE_DTYPES", "ExportOptions", "LlamaShape", "LlamaForExport",
-           "build_exportable", "checkpoint_tensors", "kv_cache_bytes", "rope_frequencies"]
+from models.module_options import NORM_FORMS, ExportOptions, LlamaShape
+from models.rope import rope_head_mask, rotate_half_matrix
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, form: str = "hf"):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from models.checkpoint import Checkpoint
 from models.errors import UserFacingError
-from models.llama import ATTENTION_SINK_TOKENS
+from models.module_options import ATTENTION_SINK_TOKENS
 from models.prompting import prompt_token_ids
 from quant.quantize import check_options
-from quant.schemes import check_group_size, scheme_options
+from quant.schemes import check_group_size, check_group_size_fits, scheme_options
 from recipes.running.generate import DEFAULT_PROMPT
 from recipes.registry import Recipe, load_backends
 
@@ -117,9 +117,10 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         recipe.backend.check_options(options)
 
 
-def check_limits(config, max_seq_len: int, options: dict) -> None:
-    """Refuses, from the config alone (before any weight is read or downloaded), a context beyond the model's and a
-    KV ring that could never wrap within it. options: recipe name -> its options."""
+def check_limits(config, recipes: list[Recipe], max_seq_len: int, options: dict) -> None:
+    """Refuses, from the config alone (before any weight is read or downloaded), a context beyond the model's, a
+    KV ring that could never wrap within it, and a group size the model's widths do not divide. options: recipe
+    name -> its options."""
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     if limit and max_seq_len > limit:
         raise UserFacingError(
@@ -136,6 +137,8 @@ def check_limits(config, max_seq_len: int, options: dict) -> None:
                 f"wraps, and its cache is larger than a plain one. Choose a window below "
                 f"{limit - ATTENTION_SINK_TOKENS}, or none (--max-seq-len {limit} holds the whole context)."
             )
+    for recipe in recipes:
+        check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), config)
 
 
 def check_prompt_fits(checkpoint: Checkpoint, request: RunRequest) -> None:

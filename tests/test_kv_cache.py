@@ -93,7 +93,8 @@ def test_a_cache_dtype_follows_the_fp32_cache_on_the_runtime(tiny_checkpoint, ca
 
 def _window_reference(checkpoint, tokens: torch.Tensor, window: int) -> torch.Tensor:
     """Eager aten SDPA over a whole cache, each token allowed the first 4 tokens and its `window` most recent."""
-    from models.llama import ATTENTION_SINK_TOKENS, ExportOptions, build_exportable
+    from models.llama import ExportOptions, build_exportable
+    from models.module_options import ATTENTION_SINK_TOKENS
 
     length = tokens.shape[1]
     module = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(length, attention="sdpa"))

@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from models.errors import UserFacingError
-from models.llama import KV_CACHE_DTYPES
+from models.module_options import KV_CACHE_DTYPES
 from quant.schemes import SCHEMES
 from recipes.lowering.lower import share_preprocess_weights, spill_named_data, swap_attribute
 from recipes.registry import Backend, recipe

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from models.errors import UserFacingError
 from quant.quantize import check_options
-from quant.schemes import check_group_size, check_group_size_fits
+from quant.schemes import check_group_size
 from recipes.estimates.memory_estimate import check_job_fits, estimate_job, memory_budget, parameter_count
 from recipes.request import check_limits, recipe_defaults
 
@@ -50,9 +50,7 @@ def job_cost(config, recipes: list, options: dict, max_seq_len: int, generate: b
     budget, where = memory_budget()
     estimate = estimate_job(config, recipes, max_seq_len, generate, budget, options)
     try:
-        check_limits(config, max_seq_len, options)
-        for recipe in recipes:
-            check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), config)
+        check_limits(config, recipes, max_seq_len, options)
         check_job_fits(config, recipes, max_seq_len, generate, options)
         refusal = None
     except UserFacingError as err:

@@ -125,14 +125,15 @@ def duration_label(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def samples(path: Path = ZOO_RESULTS) -> tuple[Sample, ...]:
-    """The finished cells that measured their stages alone, read once per version of the results file."""
-    path = Path(path)
-    return _samples(str(path), path.stat().st_mtime_ns if path.is_file() else 0)
+def _version(path: Path) -> tuple[str, int]:
+    """The results file and its modification time: what the cached reading and fits are keyed by, so a file
+    written anew is read again."""
+    return str(path), path.stat().st_mtime_ns if path.is_file() else 0
 
 
 @functools.lru_cache(maxsize=4)
 def _samples(path: str, _mtime_ns: int) -> tuple[Sample, ...]:
+    """The finished cells that measured their stages alone."""
     from recipes.registry import load_backends  # loads torch: zoo/matrix.py imports this module torch-free
 
     recipes = load_backends().recipes
@@ -206,8 +207,7 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, spe
                   path: Path = ZOO_RESULTS) -> JobTime:
     """Seconds of running `recipes` (registry Recipes, one after another) on a model of `params` parameters, on a
     host of `speed`. options: recipe name -> its options (the algorithm among them)."""
-    path = Path(path)
-    key = (str(path), path.stat().st_mtime_ns if path.is_file() else 0)
+    key = _version(Path(path))
     cells = _samples(*key)
     if not cells:
         raise ValueError(f"{path} has no cell measured alone with its stages; the time estimate needs some.")

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from models.checkpoint import Checkpoint, load_checkpoint
-from models.llama import ATTENTION_SINK_TOKENS, ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
+from models.llama import ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
+from models.module_options import ATTENTION_SINK_TOKENS
 from models.prompting import stop_token_ids
 from quant.layer_error import eager_layer_outputs
-from quant.schemes import check_group_size_fits
 from recipes.evaluation import fidelity
 from recipes.running import llm_runner
 from recipes.process import malloc_policy
@@ -84,9 +84,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
                                             request.layer_map)
 
     def check_config(config) -> None:  # before any weight is read or downloaded
-        check_limits(config, request.max_seq_len, options)
-        for recipe in recipes:
-            check_group_size_fits(recipe.quantization, options[recipe.name].get("group_size"), config)
+        check_limits(config, recipes, request.max_seq_len, options)
         memory(config)
 
     with stages.stage("loading the checkpoint", shared, "load"):

@@ -16,8 +16,8 @@ from pathlib import Path
 # Only modules that leave torch unloaded are imported here: main() must call thread_policy.limit_openmp_default()
 # before torch loads, so the modules that load it are imported inside the functions that use them.
 from models.errors import UserFacingError
-from models.hub import check_repo_id
-from models.hub_search import MIN_CHARACTERS, suggest_repos
+from models.sources.hub import check_repo_id
+from models.sources.hub_search import MIN_CHARACTERS, suggest_repos
 from recipes.process import thread_policy
 from recipes.process.dependency_noise import silence_dependency_noise
 from ui.jobs import cancel_job, job_folder, jobs_root, run_job
@@ -424,7 +424,7 @@ def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, to
     from huggingface_hub import constants
 
     # loads torch, which main() lets load only after the thread policy is set
-    from models.model_config import hub_weights_cached, model_config
+    from models.sources.model_config import hub_weights_cached, model_config
     from recipes.estimates.job_cost import check_recipe_options, job_cost, recipe_options_for
     from recipes.estimates.host_speed import host_speed
     from recipes.registry import get_recipe

@@ -11,7 +11,7 @@ HF_FOLDER = CACHE / "smollm2-135m-hf"
 
 def builtin_gguf() -> Path:
     # loads torch, which bench's driver leaves to the processes it starts
-    from models.checkpoint import builtin_gguf_path
+    from models.sources.checkpoint import builtin_gguf_path
 
     path = builtin_gguf_path()
     if path is None:

@@ -43,7 +43,7 @@ def decode_weight_bytes_per_token(hf_folder: str) -> int:
     """Bytes of linear weights one decode step reads: every linear of every layer and the output layer,
     int4 g32. The 8-bit embedding contributes one row per token, which is left out."""
     # loads torch, which bench's driver leaves to the processes it starts
-    from models.config import read_config
+    from models.sources.config import read_config
     from models.llama import LlamaShape
 
     s = LlamaShape.from_config(read_config(Path(hf_folder)))

@@ -1,5 +1,5 @@
 """Random checkpoints with the exact shapes of the models people ship, as the Hub ships them: bf16
-safetensors shards (models/random_checkpoint.py) + model.safetensors.index.json + config.json + a tokenizer.
+safetensors shards (models/sources/random_checkpoint.py) + model.safetensors.index.json + config.json + a tokenizer.
 
     python -m bench.scale_models NAME DEST
 
@@ -10,7 +10,7 @@ time exactly as real ones here: every program Lowerbench and optimum make is the
 whatever the weights hold (no data-dependent control flow: no early exit, no sparsity, no expert routing),
 and greedy decoding runs a fixed number of steps because end of sequence is ignored.
 
-The tokenizer is models/random_checkpoint.py's byte-level BPE with exactly the model's vocabulary size
+The tokenizer is models/sources/random_checkpoint.py's byte-level BPE with exactly the model's vocabulary size
 (the real tokenizers cannot be downloaded here): every id it makes is in range, every id the model emits
 decodes to text, and ExecuTorch's LLM runner loads it."""
 from __future__ import annotations
@@ -83,8 +83,8 @@ def parameter_count(config: dict) -> int:
 
 
 def make_checkpoint(name: str, dest: Path, seed: int = 0) -> Path:
-    """Writes the checkpoint once (a written folder is reused): models/random_checkpoint.py, shard by shard."""
-    from models.random_checkpoint import write_random_checkpoint  # loads torch, which bench's driver leaves to
+    """Writes the checkpoint once (a written folder is reused): models/sources/random_checkpoint.py, shard by shard."""
+    from models.sources.random_checkpoint import write_random_checkpoint  # loads torch, which bench's driver leaves to
     # the processes it starts
 
     return write_random_checkpoint(CONFIGS[name], Path(dest), seed)

@@ -15,7 +15,7 @@ def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def stop_token_ids(tokenizer, eos_token_ids=()) -> set[int]:
-    """The checkpoint's eos ids (models.checkpoint.Checkpoint.eos_token_ids) plus the tokenizer's own."""
+    """The checkpoint's eos ids (models.sources.checkpoint.Checkpoint.eos_token_ids) plus the tokenizer's own."""
     ids = set(eos_token_ids)
     if isinstance(tokenizer.eos_token_id, int):
         ids.add(tokenizer.eos_token_id)

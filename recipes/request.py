@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.checkpoint import Checkpoint
+from models.sources.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.module_options import ATTENTION_SINK_TOKENS
 from models.prompting import prompt_token_ids

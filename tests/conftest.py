@@ -242,7 +242,7 @@ def hub(hub_repo_dirs, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_llama_dir):
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
 
     return load_checkpoint(str(tiny_llama_dir))
 

@@ -294,12 +294,12 @@ def test_a_checkpoint_that_disagrees_with_itself_is_refused_in_one_line(tiny_lla
 
 def test_a_kv_window_that_never_wraps_is_refused_before_any_weight_is_read(tiny_llama_dir, tmp_path, monkeypatch):
     """The tiny Llama's context is 2048 tokens: a ring of 2044 recent tokens and 4 sinks would hold all of it."""
-    import models.checkpoint
+    import models.sources.checkpoint
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr(models.checkpoint, "load_state_dict", no_weights)
+    monkeypatch.setattr(models.sources.checkpoint, "load_state_dict", no_weights)
     out = tmp_path / "out"
     result = run_main("run", "--model", str(tiny_llama_dir), "--recipe", "xnnpack-8da4w", "--out", str(out),
                       "--kv-cache-window", "2044")

@@ -1,8 +1,8 @@
 """The built-in model's converted folder: the GGUF is read once, and the folder then gives the same checkpoint."""
 from pathlib import Path
 
-from models.builtin import CACHE_ENV, converted_folder, save_converted
-from models.checkpoint import builtin_gguf_path, load_checkpoint
+from models.sources.builtin import CACHE_ENV, converted_folder, save_converted
+from models.sources.checkpoint import builtin_gguf_path, load_checkpoint
 
 
 def test_builtin_model_loads_from_its_converted_folder_with_the_ggufs_weights(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ def test_recipe_folder_holds_pte_tokenizer_with_chat_template_and_report(runner_
 
 
 def test_runner_greedy_tokens_equal_eager_fp32_greedy_tokens(runner_llama_run, runner_llama_dir):
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
 
     _folder, report = runner_llama_run
     assert engines(report) == ["eager-fp32", RUNNER_ENGINE, "executorch-runtime"], report.runner_note
@@ -73,7 +73,7 @@ def test_every_listed_eos_id_stops_the_step_loop(runner_llama_run, runner_llama_
     the generation ends right on it."""
     import shutil
 
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
     from models.llama import ExportOptions, build_exportable
     from recipes.running import generate as gen
 
@@ -92,7 +92,7 @@ def test_every_listed_eos_id_stops_the_step_loop(runner_llama_run, runner_llama_
 
 
 def test_runner_stops_on_an_eos_id_that_is_not_the_tokenizers(runner_llama_run, runner_llama_dir, tmp_path):
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
     from models.llama import build_exportable
     from recipes.lowering.llm_metadata import llm_metadata
     from recipes.running.llm_runner import generate_with_runner

@@ -1,4 +1,4 @@
-"""models/hub.py against a real HTTP server speaking the Hub API (tests/hub_server.py), through the real
+"""models/sources/hub.py against a real HTTP server speaking the Hub API (tests/hub_server.py), through the real
 huggingface_hub client."""
 from pathlib import Path
 
@@ -8,7 +8,7 @@ from huggingface_hub import constants
 from safetensors.torch import load_file
 
 from models.errors import UserFacingError
-from models.hub import download_from_hub
+from models.sources.hub import download_from_hub
 from tests.conftest import BAD_TOKEN, GOOD_TOKEN, OTHER_TOKEN
 
 NEEDED = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
@@ -129,7 +129,7 @@ def test_connection_lost_mid_download_then_resumed(hub):
 
 
 def test_load_checkpoint_from_hub(hub, tiny_llama_dir):
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint("org/tiny-llama")
     assert ckpt.source == "hub" and ckpt.id == "org/tiny-llama" and ckpt.revision == "main"

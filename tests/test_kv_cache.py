@@ -136,7 +136,7 @@ def test_chunked_program_tells_the_runner_its_call_size_and_context(runner_llama
     """At a context above XNNPACK's 512-token calls the program takes 512 tokens a call over a cache of the
     whole context, and its metadata says both: ExecuTorch's LLM runner prefills a 700-token prompt in two calls
     and answers as the step loop, which chunks the same way."""
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
     from models.prompting import prompt_token_ids
     from recipes.running import generate as gen
     from recipes.backends.xnnpack import PREFILL_CHUNK_TOKENS

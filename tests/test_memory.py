@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.errors import UserFacingError
-from models.checkpoint import SafetensorsWeights, load_checkpoint
+from models.sources.checkpoint import SafetensorsWeights, load_checkpoint
 from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from recipes.estimates.memory_estimate import estimate_job

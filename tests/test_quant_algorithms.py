@@ -361,7 +361,7 @@ def test_calibration_and_evaluation_texts_share_no_32_token_window():
     paths = [CALIBRATION_TEXT, EVAL_TEXT, HELDOUT_TEXT]
     assert len({p.resolve() for p in paths}) == 3 and all(p.exists() for p in paths)
     try:
-        from models.checkpoint import builtin_gguf_path
+        from models.sources.checkpoint import builtin_gguf_path
         from transformers import AutoTokenizer
 
         gguf = builtin_gguf_path()

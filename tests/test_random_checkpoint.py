@@ -6,7 +6,7 @@ import random
 
 def test_shape_tokenizer_has_an_id_for_every_embedding_row_and_each_decodes_to_text():
     from bench.scale_models import CONFIGS
-    from models.random_checkpoint import shape_tokenizer
+    from models.sources.random_checkpoint import shape_tokenizer
 
     config = CONFIGS["llama-3.2-1b"]
     tokenizer = shape_tokenizer(config)
@@ -25,7 +25,7 @@ def test_shape_tokenizer_has_an_id_for_every_embedding_row_and_each_decodes_to_t
 
 
 def test_small_vocabulary_spells_lowercase_prompts_before_rarer_characters():
-    from models.random_checkpoint import shape_tokenizer
+    from models.sources.random_checkpoint import shape_tokenizer
 
     tokenizer = shape_tokenizer({"vocab_size": 64, "bos_token_id": 1, "eos_token_id": 2})
     assert len(tokenizer) == 64
@@ -33,7 +33,7 @@ def test_small_vocabulary_spells_lowercase_prompts_before_rarer_characters():
 
 
 def test_random_checkpoint_folder_runs_in_executorch_llm_runner(tmp_path):
-    from models.random_checkpoint import write_random_checkpoint
+    from models.sources.random_checkpoint import write_random_checkpoint
     from recipes.request import RunRequest
     from recipes.pipeline.run import run
 
@@ -54,8 +54,8 @@ def test_random_checkpoint_folder_runs_in_executorch_llm_runner(tmp_path):
 
 def test_a_big_checkpoint_is_written_in_shards_one_at_a_time_and_loads(tmp_path, monkeypatch):
     """Shards of at most SHARD_BYTES with the Hub's index (a shard is the most ever in memory), read back whole."""
-    import models.random_checkpoint as random_checkpoint
-    from models.checkpoint import load_checkpoint
+    import models.sources.random_checkpoint as random_checkpoint
+    from models.sources.checkpoint import load_checkpoint
 
     monkeypatch.setattr(random_checkpoint, "SHARD_BYTES", 100_000)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

@@ -157,7 +157,7 @@ def _write_folder(folder, config: dict, weights: dict | None = None):
 
 
 def test_non_llama_config_is_refused(tmp_path):
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
 
     folder = _write_folder(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, {})
     with pytest.raises(UserFacingError, match="GPT2LMHeadModel"):
@@ -169,7 +169,7 @@ def test_pickle_only_folder_is_refused_without_opt_in(tiny_llama_dir, tmp_path):
 
     from safetensors.torch import load_file
 
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
 
     folder = tmp_path / "pickle"
     shutil.copytree(tiny_llama_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))

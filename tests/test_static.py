@@ -173,7 +173,7 @@ def test_builtin_twin_answers_paris_through_run_static(builtin_static_twin):
     import subprocess
     import sys
 
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
     from models.llama import ExportOptions, build_exportable
     from recipes.running import generate as gen
 

@@ -23,7 +23,7 @@ def _export_only(model_dir, out, weights_file, recipe="xnnpack-8da4w", max_seq_l
 
 
 def _runner_pieces(folder, model_dir):
-    from models.checkpoint import load_checkpoint
+    from models.sources.checkpoint import load_checkpoint
     from recipes.running.llm_runner import generate_with_runner
 
     checkpoint = load_checkpoint(model_dir and str(model_dir))

@@ -21,8 +21,8 @@ def test_zoo_lists_the_required_models():
 def test_zoo_entry_config_loads_as_llama_config(repo_id):
     from transformers import LlamaConfig
 
-    from models.config import check_llama_config
-    from models.consistency import check_config_sizes
+    from models.sources.config import check_llama_config
+    from models.sources.consistency import check_config_sizes
     from models.llama import LlamaShape, checkpoint_tensors
 
     entry = ENTRIES[repo_id]
@@ -67,7 +67,7 @@ def test_zoo_recommendation_check_refuses_a_group_that_does_not_divide():
 
 
 def test_builtin_zoo_entry_matches_the_builtin_checkpoint_config():
-    from models.checkpoint import builtin_gguf_path, load_checkpoint
+    from models.sources.checkpoint import builtin_gguf_path, load_checkpoint
 
     if builtin_gguf_path() is None:
         pytest.skip("the built-in GGUF is not installed")

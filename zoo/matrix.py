@@ -63,7 +63,7 @@ def weights_for(entry: ZooEntry, weights: str) -> tuple[str, str]:
     """(weights source, identity). `auto`: the built-in GGUF for the built-in model, the Hub when it answers,
     else a shape-identical random checkpoint."""
     if entry.builtin and weights in ("auto", "builtin"):
-        from models.checkpoint import builtin_gguf_path  # loads torch, which a Ray task loads after its thread policy
+        from models.sources.checkpoint import builtin_gguf_path  # loads torch, which a Ray task loads after its thread policy
 
         gguf = builtin_gguf_path()
         if gguf is not None:
@@ -208,7 +208,7 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
 
 
 def build_checkpoint(config: dict, folder: str) -> str:
-    from models.random_checkpoint import write_random_checkpoint  # loads torch, in the Ray task only
+    from models.sources.random_checkpoint import write_random_checkpoint  # loads torch, in the Ray task only
 
     return str(write_random_checkpoint(config, Path(folder)))
 

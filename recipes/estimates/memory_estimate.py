@@ -67,7 +67,7 @@ class RecipeEstimate:
 @dataclass(frozen=True)
 class JobEstimate:
     peak_rss_bytes: int
-    disk_bytes: int  # the outputs (.pte files); a download is checked on its own by models/hub.py
+    disk_bytes: int  # the outputs (.pte files); a download is checked on its own by models/sources/hub.py
     checkpoint_bytes: int  # the weights as stored (bf16 for most Hub checkpoints)
     reference_dtype: torch.dtype | None  # the eager reference's dtype; None without generation
     stages: dict[str, int]  # stages before any recipe (load, reference)
@@ -383,7 +383,7 @@ def _smaller_cache_choices(config, recipes: list, max_seq_len: int, generate: bo
 @dataclass
 class JobMemoryCheck:
     """check_job_fits for one job, keeping its latest estimate: called with the config before any weight is read
-    (models.checkpoint.load_checkpoint's check_config), and again with the evaluation texts' token counts once
+    (models.sources.checkpoint.load_checkpoint's check_config), and again with the evaluation texts' token counts once
     the tokenizer is read."""
     recipes: list
     max_seq_len: int

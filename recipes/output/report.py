@@ -95,7 +95,7 @@ def _loader(cls) -> Callable:
 
 @dataclass
 class ModelInfo(Section):
-    """model: the checkpoint (models/checkpoint.py: Checkpoint.describe)."""
+    """model: the checkpoint (models/sources/checkpoint.py: Checkpoint.describe)."""
     source: str | None = None  # builtin, hub, local-folder, gguf
     id: str | None = None
     revision: str | None = None

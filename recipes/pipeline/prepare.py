@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.checkpoint import Checkpoint
+from models.sources.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.llama import build_exportable
 from quant.calibration import calibration_inputs

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import Checkpoint, load_checkpoint
+from models.sources.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
 from models.module_options import ATTENTION_SINK_TOKENS
 from models.prompting import stop_token_ids

@@ -1,6 +1,6 @@
 """Resolve what the user named (nothing, a Hub repo id, a local folder, a .gguf file) into a Checkpoint:
 a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache and, for the
-built-in model, its converted folder (models/builtin.py).
+built-in model, its converted folder (models/sources/builtin.py).
 
 Safetensors weights stay on disk until a tensor is asked for (SafetensorsWeights), in the checkpoint's
 own dtype: a caller that builds the model one layer at a time holds one layer, never the whole model."""
@@ -17,11 +17,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from models.builtin import converted_folder, is_complete, save_converted
-from models.config import check_llama_config, read_config
-from models.consistency import check_config_sizes, check_tensors, check_token_ids
+from models.sources.builtin import converted_folder, is_complete, save_converted
+from models.sources.config import check_llama_config, read_config
+from models.sources.consistency import check_config_sizes, check_tensors, check_token_ids
 from models.errors import UserFacingError, last_line
-from models.hub import download_from_hub
+from models.sources.hub import download_from_hub
 
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUILTIN_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

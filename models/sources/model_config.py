@@ -6,15 +6,15 @@ import functools
 import os
 from pathlib import Path
 
-from models.builtin import converted_folder, is_complete
-from models.checkpoint import BUILTIN_ID, builtin_gguf_path
-from models.checkpoint import gguf_architecture
-from models.config import check_llama_config, read_config
-from models.consistency import check_config_sizes
+from models.sources.builtin import converted_folder, is_complete
+from models.sources.checkpoint import BUILTIN_ID, builtin_gguf_path
+from models.sources.checkpoint import gguf_architecture
+from models.sources.config import check_llama_config, read_config
+from models.sources.consistency import check_config_sizes
 from models.errors import UserFacingError
-from models.hub import check_repo_id, check_revision, hub_error
-from models.hub_reach import endpoint
-from models.hub_reach import reachable
+from models.sources.hub import check_repo_id, check_revision, hub_error
+from models.sources.hub_reach import endpoint
+from models.sources.hub_reach import reachable
 
 
 def model_config(model: str | None, revision: str | None = None, token: str | None = None):
@@ -39,7 +39,7 @@ def model_config(model: str | None, revision: str | None = None, token: str | No
 
 @functools.lru_cache(maxsize=4)
 def builtin_config(gguf: str):
-    """The converted folder's config once the built-in GGUF was converted (models/builtin.py), else the GGUF's."""
+    """The converted folder's config once the built-in GGUF was converted (models/sources/builtin.py), else the GGUF's."""
     folder = converted_folder(Path(gguf))
     if is_complete(folder):
         return read_config(folder)
@@ -49,7 +49,7 @@ def builtin_config(gguf: str):
 
 @functools.lru_cache(maxsize=16)
 def gguf_config(path: str, _mtime_ns: int, _size: int):
-    """Read as models/checkpoint.py reads it (transformers parses the header and vocabulary: seconds, so kept)."""
+    """Read as models/sources/checkpoint.py reads it (transformers parses the header and vocabulary: seconds, so kept)."""
     from transformers import AutoConfig
 
     path_ = Path(path)

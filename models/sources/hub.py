@@ -20,7 +20,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
-from models.config import read_config
+from models.sources.config import read_config
 from models.errors import UserFacingError
 
 try:  # huggingface_hub 2.x talks through its httpx fork, 1.x through httpx itself

@@ -28,8 +28,8 @@ def read_config(folder: Path):
     from transformers import AutoConfig
 
     # loads torch (the rope check builds the rotary embedding), which an entry point lets load only after its
-    # thread policy is set, and models.hub, imported by the app's first lines, imports this module
-    from models.consistency import check_config_sizes
+    # thread policy is set, and models.sources.hub, imported by the app's first lines, imports this module
+    from models.sources.consistency import check_config_sizes
 
     config_file = folder / "config.json"
     if not config_file.is_file():

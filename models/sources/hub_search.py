@@ -6,8 +6,8 @@ import functools
 from dataclasses import dataclass
 
 from models.errors import UserFacingError
-from models.hub import TransportError
-from models.hub_reach import check_reachable, endpoint
+from models.sources.hub import TransportError
+from models.sources.hub_reach import check_reachable, endpoint
 
 LLAMA_TAG = "llama"  # the Hub tags a repo with its config's model_type
 SHOWN = 10

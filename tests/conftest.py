@@ -30,8 +30,8 @@ SHARED_FIXTURE_GROUPS = {"builtin_run": "builtin", "builtin_8da4w_run": "builtin
 # model's, the browser's, Ray's, and any whose own code or fixtures make a program.
 SLOW_FIXTURES = {"builtin_run", "builtin_8da4w_run", "builtin_fp32_run", "builtin_int8_ring_folder", "ray_cluster",
                  "ray_head", "runner_llama_run", "tiny_fp32_run", "tiny_fp32_lowered", "tiny_qnn_16a4w"}
-SLOW_CALLS = re.compile(r"\b(run_main|run_cli|running_app|launch_browser|lower_for_backend|lower_to_pte|"
-                        r"export_program|export_methods|run|run_job|subprocess\.run|Popen)\(")
+SLOW_CALLS = re.compile(r"\b(run_main|run_cli|running_app|launch_browser|prepare_and_lower|lower_for_backend|"
+                        r"lower_to_pte|export_program|export_methods|run|run_job|subprocess\.run|Popen)\(")
 
 
 def makes_a_program(function) -> bool:
@@ -250,16 +250,12 @@ def tiny_checkpoint(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_fp32_lowered(tiny_checkpoint):
     """The tiny Llama exported and lowered once with xnnpack-fp32, shared by the tests that read it."""
-    from models.llama import build_exportable
-    from recipes.lowering.lower import export_program, lower_for_backend
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
     from recipes.registry import get_recipe
 
     recipe = get_recipe("xnnpack-fp32")
-    options = recipe.export_options(64)
-    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
-    program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
-    lowered = lower_for_backend(program, recipe, {})
-    return module, lowered, recipe
+    made = prepare_and_lower(RecipeJob(recipe, {}, tiny_checkpoint, 64))
+    return made.module, made.lowered, recipe
 
 
 def run_cli(*args, timeout=3000, env: dict | None = None):

@@ -162,8 +162,7 @@ def test_layer_map_of_a_broken_2bit_scheme_is_low(tiny_checkpoint):
     module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(64, attention="sdpa"))
     quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(64)),
               filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
-    broken = layer_map("eager-quantized", module, None, {}, reference, windows, 64, on_runtime=False)
-    assert broken.method == "eager forward hooks on the quantized module"
+    broken = layer_map("eager-quantized", "eager forward hooks", reference, eager_layer_outputs(module, windows))
     assert all(row["sqnr_db"] < 10 and row["relative_error"] > 0.3 for row in broken.layers), broken
 
 

@@ -23,18 +23,14 @@ def _lowered_step(checkpoint, max_seq_len: int, options: dict, recipe_name: str 
 
 
 def _lower_step(checkpoint, max_seq_len: int, options: dict, recipe_name: str):
-    from models.llama import build_exportable
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
     from recipes.running import generate as gen
-    from recipes.lowering.llm_metadata import llm_metadata
-    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
     from recipes.registry import get_recipe
 
     recipe = get_recipe(recipe_name)
-    module = build_exportable(checkpoint.config, checkpoint.state_dict, recipe.export_options(max_seq_len, options))
-    program = export_program(module, max_seq_len, strict=recipe.backend.strict_export)
-    metadata = llm_metadata(program, max_seq_len, checkpoint.config, checkpoint.tokenizer, [2])
-    lowered = lower_for_backend(program, recipe, options, Lowering(constant_methods=metadata))
-    return gen.runtime_step(gen.load_runtime_method(lowered.pte, recipe.backend.runtime_imports)), metadata, module
+    made = prepare_and_lower(RecipeJob(recipe, options, checkpoint, max_seq_len))
+    step = gen.runtime_step(gen.load_runtime_method(made.lowered.pte, recipe.backend.runtime_imports))
+    return step, made.metadata, made.module
 
 
 def _greedy(step, ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -141,19 +137,15 @@ def test_chunked_program_tells_the_runner_its_call_size_and_context(runner_llama
     from recipes.running import generate as gen
     from recipes.backends.xnnpack import PREFILL_CHUNK_TOKENS
     from recipes.running.llm_runner import generate_with_runner
-    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
-    from recipes.lowering.llm_metadata import llm_metadata
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
     from recipes.registry import get_recipe
     from recipes.files.tokenizer_files import tokenizer_files
-    from models.llama import build_exportable
 
     checkpoint = load_checkpoint(str(runner_llama_dir))
     recipe = get_recipe("xnnpack-fp32")
-    module = build_exportable(checkpoint.config, checkpoint.state_dict, recipe.export_options(1024))
-    program = export_program(module, 1024, strict=recipe.backend.strict_export)
-    metadata = llm_metadata(program, 1024, checkpoint.config, checkpoint.tokenizer, checkpoint.eos_token_ids)
+    made = prepare_and_lower(RecipeJob(recipe, {}, checkpoint, 1024))
+    module, metadata, lowered = made.module, made.metadata, made.lowered
     assert (metadata["get_max_seq_len"], metadata["get_max_context_len"]) == (PREFILL_CHUNK_TOKENS, 1024) == (512, 1024)
-    lowered = lower_for_backend(program, recipe, {}, Lowering(constant_methods=metadata))
     (tmp_path / "model.pte").write_bytes(lowered.pte)
     for name, data in tokenizer_files(checkpoint.tokenizer).items():
         (tmp_path / name).write_bytes(data)

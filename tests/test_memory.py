@@ -306,16 +306,18 @@ def test_quantizing_by_rows_gives_the_same_tensors_as_at_once(scheme):
         assert torch.equal(by_rows(x), whole(x))
 
 
-def test_pte_is_written_from_executorchs_pieces_and_equals_the_joined_bytes(tiny_fp32_lowered, tmp_path):
+def test_pte_is_written_from_executorchs_pieces_and_equals_the_joined_bytes(tiny_fp32_lowered, tiny_checkpoint,
+                                                                              tmp_path):
     """With pte_path the program goes to its file piece by piece (no contiguous copy beside the pieces):
     the file must be the very bytes of the joined program, with its size and sha256, and nothing else is left."""
     import hashlib
 
-    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
+    from recipes.lowering.lower import Lowering
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
 
     module, lowered, recipe = tiny_fp32_lowered
-    program = export_program(module, 64, strict=recipe.backend.strict_export)
-    streamed = lower_for_backend(program, recipe, {}, Lowering(pte_path=tmp_path / "model.pte"))
+    streamed = prepare_and_lower(RecipeJob(recipe, {}, tiny_checkpoint, 64),
+                                 Lowering(pte_path=tmp_path / "model.pte")).lowered
     data = (tmp_path / "model.pte").read_bytes()
     assert streamed.pte_data is None and data == lowered.pte
     assert (streamed.pte_bytes, streamed.pte_sha256) == (len(data), hashlib.sha256(data).hexdigest())
@@ -347,8 +349,9 @@ def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint
 
     from executorch.exir.lowered_backend_module import LoweredBackendModule
 
-    from models.llama import build_exportable
-    from recipes.lowering.lower import Lowering, export_program, lower_for_backend
+    from recipes.lowering.lower import Lowering
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
+    from recipes.request import recipe_options
 
     def lowered_modules() -> set[int]:
         gc.collect()
@@ -356,13 +359,9 @@ def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint
 
     before = lowered_modules()
     recipe = get_recipe("xnnpack-8da4w")
-    options = recipe.export_options(64)
-    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, options)
-    apply_scheme(module, recipe.quantization, algorithm="hqq")
-    program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
-    lowered = lower_for_backend(program, recipe, {}, Lowering(pte_path=tmp_path / "model.pte", consume_program=True))
+    job = RecipeJob(recipe, recipe_options(recipe, {"quant_algorithm": "hqq"}), tiny_checkpoint, 64)
+    lowered = prepare_and_lower(job, Lowering(pte_path=tmp_path / "model.pte")).lowered
     assert lowered.delegation["delegated_subgraphs"] > 1
-    del program
     assert lowered_modules() - before == set()
 
 

@@ -155,7 +155,7 @@ def test_builtin_widths_refuse_group_128():
 
 def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint):
     """Two backends taking 8da4w on the same module quantize once; a different group size does not share."""
-    from recipes.pipeline.prepare import prepare
+    from recipes.pipeline.prepare import RecipeJob, Through, prepare_and_lower
     from recipes.registry import Recipe
     from recipes.request import recipe_options
     from recipes.pipeline.stages import Figures, Stages
@@ -165,19 +165,21 @@ def test_quantization_is_shared_by_backends_with_the_same_scheme(tiny_checkpoint
         return Recipe(name=name, backend=BACKEND, quantization="8da4w", description="", options=options)
 
     def prepared_for(made, requested, figures):
-        return prepare(made, recipe_options(made, requested), tiny_checkpoint, 32, prepared, stages, figures)
+        job = RecipeJob(made, recipe_options(made, requested), tiny_checkpoint, 32)
+        return prepare_and_lower(job, through=Through(stages, figures, prepared))
 
     prepared, stages = {}, Stages(None, None, total=10)
     first_figures, second_figures, third_figures = Figures(), Figures(), Figures()
     first = prepared_for(recipe("a", group_size=32), {}, first_figures)
     second = prepared_for(recipe("b", group_size=32, soc="SM8650"), {}, second_figures)
     first_timings, second_timings = first_figures.timings.to_dict(), second_figures.timings.to_dict()
-    # the quantized module is shared; each recipe gets its own export (a program lowers only once)
-    assert second[0] is first[0] and second[1] is not first[1]
+    # the quantized module is shared; each recipe gets its own export and lowering (a program lowers only once)
+    assert second.module is first.module and second.lowered is not first.lowered
+    assert second.lowered.pte == first.lowered.pte
     assert "quantize" in first_timings and "quantize" not in second_timings
     assert second_timings["shared_quantization_with"] == "a" and "export" in second_timings
     third = prepared_for(recipe("c", group_size=32), {"group_size": 64}, third_figures)
-    assert third[0] is not first[0] and "quantize" in third_figures.timings.to_dict()
+    assert third.module is not first.module and "quantize" in third_figures.timings.to_dict()
     assert len(prepared) == 2
 
 

@@ -1,16 +1,11 @@
 """The per-layer error map of a recipe (`fidelity.layers`): each decoder layer's output on the evaluation
-text against fp32 eager's, as SQNR (dB) and relative error, on the engine that ran the recipe. Where the
-.pte runs here, ExecuTorch's intermediate-output tap makes the lowered program return every layer's output
-as an extra output (inside the XNNPACK delegate too): the recipe's quantized program is exported again,
-tapped, lowered with the recipe's partitioners and run on the runtime. Otherwise eager forward hooks on the
-quantized (or simulated) module give the same tensors, labelled with the eager engine."""
+text against fp32 eager's, as SQNR (dB) and relative error, on the engine that ran the recipe. The outputs come
+from recipes/pipeline/layer_outputs.py: the lowered program's taps on the runtime, or eager hooks."""
 from __future__ import annotations
 
 import torch
 
-from quant.layer_error import eager_layer_outputs, in_reference_basis, layer_errors
-from recipes.running.generate import load_runtime_method
-from recipes.lowering.lower import Lowering, export_program, lower_for_backend
+from quant.layer_error import layer_errors
 from recipes.output.report import LayerMap, Report
 
 
@@ -33,34 +28,9 @@ def decoder_layer_outputs(program: torch.export.ExportedProgram) -> list[str]:
     return list(last.values())
 
 
-def runtime_layer_outputs(module, recipe, options: dict, windows: list[torch.Tensor], max_seq_len: int):
-    from executorch.devtools.intermediate_output_tap import FULL_TENSOR, strip_taps_, tap_intermediate_outputs_
-
-    backend = recipe.backend
-    program = export_program(module, max_seq_len, strict=backend.strict_export)
-    names = set(decoder_layer_outputs(program))
-    program, specs = tap_intermediate_outputs_(program, (lambda node: node.name in names, FULL_TENSOR))
-    lowered = lower_for_backend(program, recipe, options, Lowering(before_serialize=strip_taps_))
-    _program, method = load_runtime_method(lowered.pte, backend.runtime_imports)
-    captured: list[list[torch.Tensor]] = [[] for _ in specs]
-    for tokens in windows:
-        outputs = method.execute([tokens, torch.tensor([0], dtype=torch.long)])
-        for i, spec in enumerate(specs):
-            captured[i].append(outputs[spec.output_index][0].float().clone())
-    return in_reference_basis(module, [torch.cat(chunks) for chunks in captured])
-
-
-def layer_map(engine: str, module, recipe, options: dict, reference: list[torch.Tensor],
-              windows: list[torch.Tensor], max_seq_len: int, on_runtime: bool) -> LayerMap:
-    """fidelity.layers: the engine, how the outputs were read, and rows {layer, sqnr_db, relative_error}."""
-    if on_runtime:
-        outputs = runtime_layer_outputs(module, recipe, options, windows, max_seq_len)
-        method = "ExecuTorch intermediate_output_tap on the lowered program, run on the runtime"
-    elif not hasattr(module, "model"):
-        raise ValueError("no per-layer map of a PT2E-converted graph: its decoder layers are no longer modules")
-    else:
-        outputs = eager_layer_outputs(module, windows)
-        method = "eager forward hooks on the quantized module"
+def layer_map(engine: str, method: str, reference: list[torch.Tensor], outputs: list[torch.Tensor]) -> LayerMap:
+    """fidelity.layers: the engine, how its layer outputs were read, and each layer's error against the
+    reference's."""
     return LayerMap(engine=engine, method=method, layers=layer_errors(reference, outputs))
 
 

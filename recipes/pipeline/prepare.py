@@ -1,24 +1,47 @@
-"""A recipe's quantized module (for eager generation) and ExportedProgram (for lowering). Recipes that need the same
-scheme, options and module shape share one quantization (request.preparation_key)."""
+"""The one way from a checkpoint to a recipe's lowered program: build the module from the checkpoint, quantize it,
+export it and lower it with the recipe's backend (`prepare_and_lower`). The job (recipes/pipeline/run.py), the
+per-layer error map and the tests all go through it. Recipes that need the same scheme, options and module shape
+share one quantization (request.preparation_key)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import gc
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from models.sources.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.llama import build_exportable
+from models.prompting import stop_token_ids
 from quant.calibration import calibration_inputs
 from quant.quantize import UnitQuantizer, cast_quantized, quantize_module, quantizes_by_unit
 from quant.schemes import SCHEMES
 from recipes.process import malloc_policy
-from recipes.lowering.lower import export_program
+from recipes.process.collector_policy import collector_skipping_older_objects
+from recipes.lowering import static_program
+from recipes.lowering.llm_metadata import llm_metadata
+from recipes.lowering.lower import LoweredProgram, Lowering, export_program, lower_for_backend
 from recipes.registry import Recipe
 from recipes.lowering.static_program import export_methods, static_form
 from recipes.output.report import Pt2eCalibration, Quantization
 from recipes.request import preparation_key
 from recipes.pipeline.stages import Figures, Stages
+
+
+@dataclass(frozen=True)
+class RecipeJob:
+    """What one recipe's program is made from: the recipe, its options (request.recipe_options), the checkpoint
+    and the context the program is made for."""
+    recipe: Recipe
+    options: dict
+    checkpoint: Checkpoint
+    max_seq_len: int
+
+    @property
+    def key(self) -> tuple:
+        return preparation_key(self.recipe, self.options, self.max_seq_len)
 
 
 @dataclass
@@ -29,12 +52,77 @@ class Prepared:
     quantization: Quantization
 
 
-def prepare(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: int,
-            prepared: dict[tuple, Prepared], stages: Stages, figures: Figures
-            ) -> tuple[torch.nn.Module, torch.export.ExportedProgram, Quantization]:
-    """(module, program, its quantization section); a module another recipe may share lands in `prepared`."""
+@dataclass
+class Through:
+    """How a job goes through prepare_and_lower: its stages (progress, cancellation, each stage's figures), the
+    quantized modules its recipes share, whether the quantized module must outlive the lowering (an eager
+    fallback if lowering fails, a later recipe that shares it) and the lowered program (eager generation, the
+    layer map), and a pass on the exported program before it is lowered (the layer map's taps)."""
+    stages: Stages = field(default_factory=lambda: Stages(None, None, total=1))
+    figures: Figures = field(default_factory=Figures)
+    prepared: dict[tuple, Prepared] = field(default_factory=dict)
+    keep_module_while_lowering: bool = True
+    keep_module_after: bool = True
+    program_pass: Callable[[torch.export.ExportedProgram], torch.export.ExportedProgram] | None = None
+
+
+@dataclass
+class Made:
+    """What prepare_and_lower made: the quantized module (None once released), its quantization section, the LLM
+    metadata written into the .pte and the lowered program. When it raised, what it had made by then, and `stage`
+    says where it stopped."""
+    module: torch.nn.Module | None = None
+    quantization: Quantization | None = None
+    metadata: dict | None = None
+    lowered: LoweredProgram | None = None
+    stage: str = "prepare"
+
+
+def prepare_and_lower(job: RecipeJob, lowering: Lowering = Lowering(), through: Through | None = None,
+                      made: Made | None = None) -> Made:
+    """The recipe's program made from the checkpoint and lowered as `lowering` says (its constant methods are the
+    LLM metadata). Pass `made` to keep what was made when it raises."""
+    through = through if through is not None else Through()
+    made = made if made is not None else Made()
+    recipe, checkpoint, figures = job.recipe, job.checkpoint, through.figures
+    with collector_skipping_older_objects():
+        made.module, program, made.quantization = _prepare(job, through)
+    made.stage = "lower"
+    with through.stages.stage(f"lowering to {recipe.backend.title} ({recipe.name})", figures, "lower"):
+        made.metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
+                                     job.max_seq_len, checkpoint.config, checkpoint.tokenizer,
+                                     stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))
+        if recipe.static_io:
+            made.metadata.update(static_program.static_metadata(made.module, int(job.options["prefill_chunk"])))
+        if not through.keep_module_while_lowering:
+            # Nothing runs the module again: the program's weights are its only copy, released once lowered.
+            through.prepared.pop(job.key, None)
+            made.module = None
+        if through.program_pass is not None:
+            program = through.program_pass(program)
+        made.lowered = lower_for_backend(program, recipe, job.options, dataclasses.replace(
+            lowering, constant_methods=made.metadata, consume_program=True,
+            free_weights_as_packed=made.module is None))
+    lowered = made.lowered
+    figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
+    figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
+    del program  # the lowered program is in the .pte now
+    if made.module is not None and not through.keep_module_after:
+        through.prepared.pop(job.key, None)
+        made.module = None
+    # The export and lowering graphs are reference cycles: collected now, their memory is reused by the
+    # runtime's load of the .pte instead of adding to it.
+    gc.collect()
+    malloc_policy.trim_freed_heap()
+    return made
+
+
+def _prepare(job: RecipeJob, through: Through) -> tuple[torch.nn.Module, torch.export.ExportedProgram, Quantization]:
+    """(module, program, its quantization section); a module another recipe may share lands in `through.prepared`."""
+    recipe, options, max_seq_len = job.recipe, job.options, job.max_seq_len
+    stages, figures, prepared = through.stages, through.figures, through.prepared
     scheme = SCHEMES[recipe.quantization]
-    key = preparation_key(recipe, options, max_seq_len)
+    key = job.key
     if scheme.quantize_exported is None and key in prepared:
         # The quantized module is shared; the program is exported again, because lowering leaves
         # unbacked-symbol state in an ExportedProgram that makes a second lowering of it fail.
@@ -45,7 +133,7 @@ def prepare(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: 
         return shared.module, program, shared.quantization
     with stages.stage(f"quantizing ({recipe.quantization}) for {recipe.name}, reading its weights", figures,
                       "quantize"):
-        module, quantization = _quantized_module(recipe, options, checkpoint, max_seq_len, figures)
+        module, quantization = _quantized_module(job, figures)
         if recipe.static_io:
             module = static_form(module, options)
     with stages.stage(f"exporting for {recipe.name}", figures, "export"):
@@ -53,7 +141,7 @@ def prepare(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: 
     if scheme.quantize_exported is not None:
         with stages.stage(f"calibrating and converting ({recipe.quantization}) for {recipe.name}", figures,
                           "quantize"):
-            inputs = calibration_inputs(checkpoint.tokenizer, max_seq_len)
+            inputs = calibration_inputs(job.checkpoint.tokenizer, max_seq_len)
             program, module = quantize_exported(recipe, program, inputs, options, max_seq_len)
         figures.timings.calibration = Pt2eCalibration(prompts=len(inputs),
                                                       source="quant/calibration.py built-in prompts")
@@ -69,10 +157,10 @@ def _export(recipe: Recipe, module: torch.nn.Module, options: dict, max_seq_len:
     return export_program(module, max_seq_len, strict=recipe.backend.strict_export)
 
 
-def _quantized_module(recipe: Recipe, options: dict, checkpoint: Checkpoint, max_seq_len: int, figures: Figures
-                      ) -> tuple[torch.nn.Module, Quantization]:
+def _quantized_module(job: RecipeJob, figures: Figures) -> tuple[torch.nn.Module, Quantization]:
     """The module built from the checkpoint and quantized; the seconds of the quantization's parts land in
     `figures`."""
+    recipe, options, checkpoint, max_seq_len = job.recipe, job.options, job.checkpoint, job.max_seq_len
     export_options = recipe.export_options(max_seq_len, options)
     if quantizes_by_unit(recipe.quantization, options):
         # the quantized units kept between AWQ's searches must not pin the blocks a search frees

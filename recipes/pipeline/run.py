@@ -16,7 +16,6 @@ import torch
 from models.sources.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
 from models.module_options import ATTENTION_SINK_TOKENS
-from models.prompting import stop_token_ids
 from quant.layer_error import eager_layer_outputs
 from recipes.evaluation import fidelity
 from recipes.running import llm_runner
@@ -27,13 +26,12 @@ from recipes.running import generate as gen
 from recipes.lowering import static_program
 from recipes.running import profile as profiling
 from recipes.files.atomic_write import write_atomically
-from recipes.process.collector_policy import collector_skipping_older_objects
 from recipes.estimates.host_speed import host_speed
 from recipes.evaluation.layer_major_reference import layer_major_scores
-from recipes.evaluation.layer_map import layer_map, windows_of
-from recipes.lowering.llm_metadata import llm_metadata
-from recipes.lowering.lower import LoweredProgram, Lowering, OutputWriteError, lower_for_backend
-from recipes.pipeline.prepare import Prepared, prepare
+from recipes.evaluation.layer_map import windows_of
+from recipes.lowering.lower import LoweredProgram, Lowering, OutputWriteError
+from recipes.pipeline.layer_outputs import recipe_layer_map
+from recipes.pipeline.prepare import Made, Prepared, RecipeJob, Through, prepare_and_lower
 from recipes.files.pte_program import PTD_NAME, PTE_NAME
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.output.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
@@ -167,7 +165,7 @@ def _reference(job: _Job) -> None:
 def _generate(step, engine: str, job: _Job) -> Generation:
     request, checkpoint = job.request, job.checkpoint
     return gen.generate(step, engine, checkpoint.tokenizer, request.prompt, request.max_new_tokens,
-                        request.max_seq_len, temperature=request.temperature, top_p=request.top_p,
+                        request.max_seq_len, gen.Sampling(request.temperature, request.top_p),
                         stop_ids=checkpoint.eos_token_ids)
 
 
@@ -182,98 +180,81 @@ def kv_cache_section(recipe: Recipe, options: dict, config, max_seq_len: int) ->
 
 
 def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple]) -> Report:
-    """One recipe from quantization to its report.json, written once. A failing recipe records why in its report
-    and ships no .pte; the job's other recipes still run."""
+    """One recipe from quantization to its report.json, assembled from what its stages returned and written once.
+    A failing recipe records why in its report and ships no .pte; the job's other recipes still run."""
     request, started = job.request, time.perf_counter()
     figures = copy.deepcopy(job.shared)
-    report = Report(model=job.model, versions=job.versions, timings=figures.timings,
-                    recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
-                                      options=dict(options), max_seq_len=request.max_seq_len,
-                                      runs_on=recipe.backend.runs_on,
-                                      kv_cache=kv_cache_section(recipe, options, job.checkpoint.config,
-                                                                request.max_seq_len)),
-                    threads=Threads.from_dict(thread_policy.describe(), strict=True),
-                    generations=[job.reference] if job.reference else [])
-    module, lowered = _lower(job, recipe, options, recipe_dir, needed_later, figures, report)
-    if not request.generate:
-        report.generation_note = "export only: no sample generations and no fidelity were asked for"
-    elif module is not None or lowered is not None:
-        _generate_and_measure(job, recipe, module, lowered, figures, report)
+    target = RecipeJob(recipe, options, job.checkpoint, request.max_seq_len)
+    made, errors = _lower(job, target, recipe_dir, target.key in needed_later, figures)
+    described = {**options, **recipe.backend.describe_options(options)} if made.stage == "lower" else dict(options)
+    measured = _Measured()
+    if request.generate and (made.module is not None or made.lowered is not None):
+        measured = _generate_and_measure(job, target, made, figures)
+    errors += measured.errors
     # The quantized module (unless a later recipe shares it) is released before the LLM runner and the profile
     # load the .pte again.
-    module = None
+    made.module = None
     for key in [key for key in job.prepared if key not in needed_later]:
         del job.prepared[key]
-    if lowered is not None and report.errors:
+    lowered, shipped = made.lowered, _Shipped()
+    if lowered is not None and errors:
         for path in (lowered.pte_path, lowered.ptd_path):  # a recipe that failed later ships no .pte
             if path is not None:
                 path.unlink(missing_ok=True)
     elif lowered is not None:
-        _ship(job, recipe, lowered, recipe_dir, figures, report)
+        shipped = _ship(job, recipe, lowered, recipe_dir, figures)
+    generations = [*([job.reference] if job.reference else []), *shipped.generations, *measured.generations]
     with job.stages.stage(f"profiling {recipe.name}", figures, "profile"):
         if recipe.static_io and request.profile:
-            report.profile_note = static_program.PROFILE_NOTE
+            profile, profile_note = None, static_program.PROFILE_NOTE
         else:
-            report.profile, report.profile_note = profiling.recipe_profile(
-                report, recipe_dir, recipe.backend.runtime_imports,
-                lambda step: _generate(step, gen.ENGINE_RUNTIME, job), enabled=request.profile)
+            profile, profile_note = profiling.recipe_profile(
+                shipped.pte and Path(shipped.pte.path), recipe.backend.runtime_imports,
+                lambda step: _generate(step, gen.ENGINE_RUNTIME, job), generated=bool(generations),
+                runtime_note=measured.runtime_note, enabled=request.profile)
     figures.timings.peak_rss_mb = peak_rss_mb(figures.peaks)
     figures.timings.total = round(job.shared_s + time.perf_counter() - started, 1)
     figures.timings.estimate = job.time_estimates.get(recipe.name)
     estimate = job.memory.estimate
-    report.memory = Memory(peak_rss_mb_by_stage=figures.peaks, peak_rss_mb=figures.timings.peak_rss_mb,
-                           estimate=MemoryEstimate.from_dict(estimate.to_dict(), strict=True) if estimate else None)
+    report = Report(
+        model=job.model,
+        recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
+                          options=described, max_seq_len=request.max_seq_len, runs_on=recipe.backend.runs_on,
+                          kv_cache=kv_cache_section(recipe, options, job.checkpoint.config, request.max_seq_len)),
+        versions=job.versions, threads=Threads.from_dict(thread_policy.describe(), strict=True),
+        timings=figures.timings, pte=shipped.pte,
+        llm_metadata=LlmMetadata.from_dict(made.metadata, strict=True) if made.metadata is not None else None,
+        delegation=Delegation.from_dict(lowered.delegation, strict=True) if lowered is not None else None,
+        generations=generations, quantization=made.quantization, fidelity=measured.fidelity, errors=errors,
+        generation_note=None if request.generate else
+        "export only: no sample generations and no fidelity were asked for",
+        runtime_note=measured.runtime_note, runner_note=shipped.runner_note, profile=profile,
+        profile_note=profile_note,
+        memory=Memory(peak_rss_mb_by_stage=figures.peaks, peak_rss_mb=figures.timings.peak_rss_mb,
+                      estimate=MemoryEstimate.from_dict(estimate.to_dict(), strict=True) if estimate else None))
     write_atomically(recipe_dir / "report.json", report.to_json().encode())
     return report
 
 
-def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple], figures: Figures,
-           report: Report) -> tuple[torch.nn.Module | None, LoweredProgram | None]:
-    """The recipe's quantized module (None when nothing runs it again) and its program lowered into
-    recipe_dir/model.pte; a failure leaves what was made so far and the error in the report."""
-    request, checkpoint = job.request, job.checkpoint
-    module = lowered = None
-    stage = "prepare"
+def _lower(job: _Job, target: RecipeJob, recipe_dir: Path, shared_later: bool, figures: Figures
+           ) -> tuple[Made, list[StageError]]:
+    """The recipe's program lowered into recipe_dir/model.pte, with its quantized module while something runs it
+    again; a failure returns what was made so far and the error."""
+    request, recipe = job.request, target.recipe
+    ptd_path = recipe_dir / PTD_NAME if writes_data_file(recipe, request, target.checkpoint.config) else None
+    through = Through(job.stages, figures, job.prepared,
+                      keep_module_while_lowering=request.generate or shared_later,
+                      keep_module_after=shared_later or memory_estimate.module_runs_again(recipe, request.generate,
+                                                                                          request.layer_map))
+    made = Made()
     try:
-        with collector_skipping_older_objects():
-            module, program, report.quantization = prepare(recipe, options, checkpoint, request.max_seq_len,
-                                                           job.prepared, job.stages, figures)
-        ptd_path = recipe_dir / PTD_NAME if writes_data_file(recipe, request, checkpoint.config) else None
-        stage = "lower"
-        backend = recipe.backend
-        with job.stages.stage(f"lowering to {backend.title} ({recipe.name})", figures, "lower"):
-            report.recipe.options = {**options, **backend.describe_options(options)}
-            metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
-                                    request.max_seq_len, checkpoint.config, checkpoint.tokenizer,
-                                    stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))
-            if recipe.static_io:
-                metadata.update(static_program.static_metadata(module, int(options["prefill_chunk"])))
-            report.llm_metadata = LlmMetadata.from_dict(metadata, strict=True)
-            key = preparation_key(recipe, options, request.max_seq_len)
-            if not request.generate and key not in needed_later:
-                # Nothing runs the module again: the program's weights are its only copy, released once lowered.
-                job.prepared.pop(key, None)
-                module = None
-            lowered = lower_for_backend(program, recipe, options, Lowering(
-                constant_methods=metadata, generate_etrecord=request.etrecord, pte_path=recipe_dir / PTE_NAME,
-                ptd_path=ptd_path, consume_program=True, free_weights_as_packed=module is None))
-        figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
-        figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
-        del program  # the lowered program is in the .pte now
-        if (module is not None and key not in needed_later
-                and not memory_estimate.module_runs_again(recipe, request.generate, request.layer_map)):
-            job.prepared.pop(key, None)
-            module = None
-        # The export and lowering graphs are reference cycles: collected now, their memory is reused by the
-        # runtime's load of the .pte instead of adding to it.
-        gc.collect()
-        malloc_policy.trim_freed_heap()
-        report.delegation = Delegation.from_dict(lowered.delegation, strict=True)
+        prepare_and_lower(target, Lowering(generate_etrecord=request.etrecord, pte_path=recipe_dir / PTE_NAME,
+                                           ptd_path=ptd_path), through, made)
     except (Cancelled, OutputWriteError):
         raise
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why
-        report.errors.append(StageError.of(stage, err))
-    return module, lowered
+        return made, [StageError.of(made.stage, err)]
+    return made, []
 
 
 def writes_data_file(recipe: Recipe, request: RunRequest, config) -> bool:
@@ -284,80 +265,95 @@ def writes_data_file(recipe: Recipe, request: RunRequest, config) -> bool:
     return bool(request.weights_file) or memory_estimate.pte_bytes(config, recipe) > DATA_FILE_ABOVE_BYTES
 
 
-def _generate_and_measure(job: _Job, recipe: Recipe, module: torch.nn.Module, lowered: LoweredProgram | None,
-                          figures: Figures, report: Report) -> None:
+@dataclass
+class _Measured:
+    """What generating with a recipe and measuring it returned."""
+    generations: list[Generation] = field(default_factory=list)
+    fidelity: Fidelity | None = None
+    runtime_note: str | None = None  # why the .pte did not run here
+    errors: list[StageError] = field(default_factory=list)
+
+
+def _generate_and_measure(job: _Job, target: RecipeJob, made: Made, figures: Figures) -> _Measured:
     """The recipe's sample generation, then its fidelity (and layer map) against the reference. The step loop's
     program is released on return."""
-    request, step = job.request, None
+    request, recipe, measured, step = job.request, target.recipe, _Measured(), None
     try:
         with job.stages.stage(f"generating with {recipe.name}", figures, "generate"):
-            step, engine = _recipe_engine(recipe, module, lowered, report)
-            report.generations.append(_generate(step, engine, job))
+            step, engine, measured.runtime_note = _recipe_engine(target, made)
+            measured.generations.append(_generate(step, engine, job))
     except Cancelled:
         raise
     except Exception as err:
-        report.errors.append(StageError.of("generate", err))
+        measured.errors.append(StageError.of("generate", err))
     if step is None or job.eval_reference is None:
-        return
+        return measured
     reference = job.eval_reference
     try:
         with job.stages.stage(f"measuring fidelity of {recipe.name}", figures, "fidelity"):
-            report.fidelity = fidelity.recipe_fidelity(step, engine, recipe.quantization, request.max_seq_len,
-                                                       reference)
+            measured.fidelity = fidelity.recipe_fidelity(step, engine, recipe.quantization, request.max_seq_len,
+                                                         reference)
         if request.layer_map:
             with job.stages.stage(f"mapping error per layer of {recipe.name}", figures, "layer_map"):
-                report.fidelity.layers = layer_map(
-                    engine, module, recipe, report.recipe.options, reference.layers,
-                    windows_of(reference.eval.ids, request.max_seq_len), request.max_seq_len,
-                    on_runtime=engine == gen.ENGINE_RUNTIME)
+                measured.fidelity.layers = recipe_layer_map(engine, target, made, reference,
+                                                            on_runtime=engine == gen.ENGINE_RUNTIME)
     except Cancelled:
         raise
     except Exception as err:  # a measurement that fails does not withhold a good .pte; the report says why
-        if report.fidelity is None:
-            report.fidelity = Fidelity(error=StageError.of("fidelity", err))
+        if measured.fidelity is None:
+            measured.fidelity = Fidelity(error=StageError.of("fidelity", err))
         else:
-            report.fidelity.layers = LayerMap(error=StageError.of("layer_map", err))
+            measured.fidelity.layers = LayerMap(error=StageError.of("layer_map", err))
+    return measured
 
 
-def _recipe_engine(recipe: Recipe, module: torch.nn.Module, lowered: LoweredProgram | None, report: Report) -> tuple:
-    """(step, engine) for a recipe's generation and fidelity: the .pte on the runtime when it runs here
-    (loaded once); otherwise the same quantized model in eager PyTorch (or the converted PT2E graph),
-    labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
-    backend = recipe.backend
+def _recipe_engine(target: RecipeJob, made: Made) -> tuple:
+    """(step, engine, why the .pte did not run here) for a recipe's generation and fidelity: the .pte on the
+    runtime when it runs here (loaded once); otherwise the same quantized model in eager PyTorch (or the converted
+    PT2E graph), labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
+    recipe, lowered, backend = target.recipe, made.lowered, target.recipe.backend
     why_not = "lowering failed" if lowered is None else backend.cannot_run_here()
     if why_not is None and recipe.static_io:
-        return static_program.runtime_session(lowered.pte_path).step, gen.ENGINE_RUNTIME
+        return static_program.runtime_session(lowered.pte_path).step, gen.ENGINE_RUNTIME, None
     if why_not is None:
-        return gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports)), gen.ENGINE_RUNTIME
-    report.runtime_note = why_not
+        return (gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports)),
+                gen.ENGINE_RUNTIME, None)
     if recipe.static_io:
-        session = static_program.eager_session(module, int(report.recipe.options["prefill_chunk"]))
-        return session.step, backend.eager_engine
-    return gen.eager_step(module), backend.eager_engine
+        session = static_program.eager_session(made.module, int(target.options["prefill_chunk"]))
+        return session.step, backend.eager_engine, why_not
+    return gen.eager_step(made.module), backend.eager_engine, why_not
 
 
-def _ship(job: _Job, recipe: Recipe, lowered: LoweredProgram, recipe_dir: Path, figures: Figures,
-          report: Report) -> None:
+@dataclass
+class _Shipped:
+    """What shipping a recipe's folder returned: its pte section, ExecuTorch's LLM runner's generation (or why
+    none)."""
+    pte: Pte | None = None
+    generations: list[Generation] = field(default_factory=list)
+    runner_note: str | None = None
+
+
+def _ship(job: _Job, recipe: Recipe, lowered: LoweredProgram, recipe_dir: Path, figures: Figures) -> _Shipped:
     """A finished recipe's folder: the .pte's section, the tokenizer files, ExecuTorch's LLM runner on them where
     the .pte runs here, and the ETRecord when asked for."""
-    report.pte = Pte(path=str(lowered.pte_path), bytes=lowered.pte_bytes, sha256=lowered.pte_sha256)
+    shipped = _Shipped(Pte(path=str(lowered.pte_path), bytes=lowered.pte_bytes, sha256=lowered.pte_sha256))
     if lowered.ptd_path is not None:
-        report.pte.ptd_path, report.pte.ptd_bytes, report.pte.ptd_sha256 = (str(lowered.ptd_path), lowered.ptd_bytes,
-                                                                            lowered.ptd_sha256)
+        shipped.pte.ptd_path, shipped.pte.ptd_bytes, shipped.pte.ptd_sha256 = (
+            str(lowered.ptd_path), lowered.ptd_bytes, lowered.ptd_sha256)
     for name, data in job.tokenizer_files.items():
         write_atomically(recipe_dir / name, data)
     if recipe.static_io:
         write_atomically(recipe_dir / static_program.RUNNER_NAME, static_program.runner_source())
-        report.runner_note = static_program.runner_note(recipe.backend.cannot_run_here())
+        shipped.runner_note = static_program.runner_note(recipe.backend.cannot_run_here())
     elif job.request.generate and recipe.backend.cannot_run_here() is None:
         with job.stages.stage(f"generating with ExecuTorch's LLM runner ({recipe.name})", figures, "runner_generate"):
             request, checkpoint = job.request, job.checkpoint
-            generation, report.runner_note = llm_runner.runner_generation(
+            generation, shipped.runner_note = llm_runner.runner_generation(
                 recipe_dir / PTE_NAME, recipe_dir / "tokenizer.json", checkpoint.tokenizer, request.prompt,
                 request.max_new_tokens, temperature=request.temperature, eos_token_ids=checkpoint.eos_token_ids,
                 runtime_imports=recipe.backend.runtime_imports)
         if generation is not None:  # before the step loop's, which stays for fidelity
-            after_reference = 1 if report.generations and report.generations[0].engine == gen.ENGINE_EAGER_FP32 else 0
-            report.generations.insert(after_reference, generation)
+            shipped.generations.append(generation)
     if lowered.etrecord is not None:
         write_atomically(recipe_dir / profiling.ETRECORD_NAME, lowered.etrecord)
+    return shipped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,15 @@ def pick_next(logits: torch.Tensor, temperature: float, top_p: float, generator:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: greedy at temperature 0, else sampled from the top_p nucleus with a seeded
+    generator, so a job's generations are reproducible."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
 def generate(
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     engine: str,
@@ -50,9 +60,7 @@ def generate(
     prompt: str,
     max_new_tokens: int,
     max_seq_len: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    sampling: Sampling = Sampling(),
     stop_ids=(),
 ) -> Generation:
     """`step(tokens[1, T], input_pos[1]) -> logits[1, T, vocab]` runs the model and advances its cache. The
@@ -65,7 +73,8 @@ def generate(
             f"{max_seq_len}; shorten the prompt, lower max new tokens or raise max context."
         )
     stops = stop_token_ids(tokenizer, stop_ids)
-    generator = torch.Generator().manual_seed(seed)
+    temperature, top_p = sampling.temperature, sampling.top_p
+    generator = torch.Generator().manual_seed(sampling.seed)
     start = time.perf_counter()
     logits = step(torch.tensor([ids], dtype=torch.long), torch.tensor([0], dtype=torch.long))
     prefill_s = time.perf_counter() - start

@@ -16,7 +16,7 @@ from pathlib import Path
 from recipes.running import generate as gen
 from recipes.files.atomic_write import write_atomically
 from recipes.files.pte_program import data_file_of, read_program
-from recipes.output.report import OpRow, PhaseProfile, Profile, ProfileFiles, ProfileLoad, Report
+from recipes.output.report import OpRow, PhaseProfile, Profile, ProfileFiles, ProfileLoad
 
 ETDUMP_NAME = "model.etdump"  # the decode steps
 PREFILL_ETDUMP_NAME = "prefill.etdump"
@@ -199,19 +199,20 @@ def profile_pte(pte_path: Path, runtime_imports: tuple[str, ...], generate_once)
                    prefill=prefill, decode=decode, files=files), None
 
 
-def recipe_profile(report: Report, recipe_dir: Path, runtime_imports: tuple[str, ...], generate_once,
-                   enabled: bool = True) -> tuple[Profile | None, str | None]:
-    """The report's profile and, when there is none, why not (its profile_note). A failed profile never withholds
-    a good .pte."""
+def recipe_profile(pte_path: Path | None, runtime_imports: tuple[str, ...], generate_once, generated: bool,
+                   runtime_note: str | None, enabled: bool = True) -> tuple[Profile | None, str | None]:
+    """The recipe's profile and, when there is none, why not (its report's profile_note): pte_path is None when
+    no .pte was written, `generated` says whether the job generated at all, runtime_note why the .pte does not
+    run here. A failed profile never withholds a good .pte."""
     if not enabled:
         return None, "profiling was turned off (--no-profile)"
-    if not report.pte:
+    if pte_path is None:
         return None, "no .pte was written"
-    if not report.generations:
+    if not generated:
         return None, "export only: nothing was generated to profile"
-    if report.runtime_note:
-        return None, f"the .pte does not run here: {report.runtime_note}"
+    if runtime_note:
+        return None, f"the .pte does not run here: {runtime_note}"
     try:
-        return profile_pte(Path(recipe_dir) / "model.pte", runtime_imports, generate_once)
+        return profile_pte(Path(pte_path), runtime_imports, generate_once)
     except Exception as err:
         return None, f"profiling failed: {type(err).__name__}: {err}"

@@ -2,7 +2,6 @@
 estimate that refuses a job before any weight is downloaded."""
 import importlib.metadata
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,6 @@ from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from recipes.estimates.memory_estimate import estimate_job
 from recipes.registry import get_recipe
-
-ZOO_RESULTS = Path(__file__).resolve().parent.parent / "zoo" / "results.json"
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +256,7 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
 def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
     """zoo/results.json: whole jobs' and export-only peak RSS as `python -m zoo matrix` measured them, from
     the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""
-    from zoo.entries import find_entry, preferred_cell
+    from zoo.entries import find_entry, preferred_cell, read_results
 
     installed = importlib.metadata.version("executorch")
     # XNNPACK cells only from the installed executorch: Lowerbench's lowering patches (recipes/backends/xnnpack.py)
@@ -267,18 +264,18 @@ def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
     # lowering (a deep copy per partition, then coremltools or QNN) is the same code in the previous pin.
     # Of a cell measured again (a newer executorch, or Lowerbench's own memory fixes), the newest, as the zoo shows.
     measured = {}
-    for c in json.loads(ZOO_RESULTS.read_text())["cells"]:
-        if c["status"] == "ok" and c["peak_rss_mb"] and (c["backend"] != "xnnpack" or c["versions"]["executorch"] == installed):
-            measured.setdefault((c["model"], c["recipe"], c["export_only"], c["max_seq_len"]), []).append(c)
+    for c in read_results():
+        if c.status == "ok" and c.measured.peak_rss_mb and (c.backend != "xnnpack" or c.versions["executorch"] == installed):
+            measured.setdefault((c.model, c.recipe, c.export_only, c.max_seq_len), []).append(c)
     cells = [preferred_cell(group) for group in measured.values()]
-    assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c["model"] for c in cells}
+    assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c.model for c in cells}
     for cell in cells:
-        estimate = estimate_job(find_entry(cell["model"]).llama_config(), [get_recipe(cell["recipe"])],
-                                cell["max_seq_len"], not cell["export_only"],
-                                budget_bytes=cell.get("memory_limit_bytes") or 10**12,  # what the cell planned for
-                                options={cell["recipe"]: cell["options"]})
-        ratio = estimate.peak_rss_bytes / (cell["peak_rss_mb"] * 2**20)
-        assert 0.75 <= ratio <= 1.25, (cell["model"], cell["recipe"], cell["export_only"], round(ratio, 3))
+        planned_for = cell.task.memory_limit_bytes if cell.task else None  # what the cell's job planned its memory for
+        estimate = estimate_job(find_entry(cell.model).llama_config(), [get_recipe(cell.recipe)],
+                                cell.max_seq_len, not cell.export_only, budget_bytes=planned_for or 10**12,
+                                options={cell.recipe: cell.options})
+        ratio = estimate.peak_rss_bytes / (cell.measured.peak_rss_mb * 2**20)
+        assert 0.75 <= ratio <= 1.25, (cell.model, cell.recipe, cell.export_only, round(ratio, 3))
 
 
 @pytest.mark.parametrize("scheme", ["8da4w", "8da8w", "int4-weight", "8da4w-emb4", "c4w"])

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.measure import median, run_measured
 from bench.scale import RECIPE, checkpoint_folder, decode_cmd, lowerbench_cmd
-from recipes.output.report import Report, load_report
+from recipes.output.report import Fidelity, Generation, Heldout, Quantization, Report, load_report
 
 ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
 # the algorithms that also get a job with the most sensitive linears at 8 bits, at this group and budget
@@ -77,7 +77,9 @@ def job_options(job: dict, full: bool) -> tuple[str, ...]:
 
 
 def report_extract(report: Report) -> dict:
-    """What the front keeps of a job's report.json."""
+    """What the front keeps of a job's report.json: its sections as report.json has them, but for the fidelity's
+    per-layer map and the generations' token ids; the .pte's size and the recipe's options under keys of their own
+    (`extracted_report` reads it back)."""
     fidelity = {k: v for k, v in report.fidelity.to_dict().items() if k != "layers"} if report.fidelity else None
     return {"quantization": report.quantization.to_dict() if report.quantization else None,
             "fidelity": fidelity or None,
@@ -86,6 +88,13 @@ def report_extract(report: Report) -> dict:
             "timings_s": report.timings.to_dict(), "pte_bytes": report.pte.bytes if report.pte else None,
             "options": report.recipe.options if report.recipe else None, "versions": report.versions,
             "errors": [e.to_dict() for e in report.errors]}
+
+
+def extracted_report(extract: dict | None) -> Report:
+    """A stored extract (report_extract) as the Report it came from, the sections it left out empty."""
+    extract = extract or {}
+    return Report.from_dict({**extract, "pte": {"bytes": extract.get("pte_bytes")},
+                             "recipe": {"options": extract.get("options") or {}}})
 
 
 def run_job(shape: str, folder: Path | None, job: dict, full: bool, args, tmp: Path, py: str, root: Path) -> dict:
@@ -185,36 +194,37 @@ def keep_unmeasured(old: dict, meta: dict, result: dict) -> None:
             meta["earlier_meta"] = earlier
 
 
-def recipe_generation(generations: list[dict]) -> dict:
+def recipe_generation(generations: list[Generation]) -> Generation | None:
     """The recipe's own sample generation (not the fp32 reference), on the first engine of GENERATION_ENGINES
     that made one."""
-    by_engine = {g["engine"]: g for g in generations}
-    return next((by_engine[e] for e in GENERATION_ENGINES if e in by_engine), {})
+    by_engine = {g.engine: g for g in generations}
+    return next((by_engine[e] for e in GENERATION_ENGINES if e in by_engine), None)
 
 
 def front_row(record: dict) -> dict:
-    report = record.get("report") or {}
-    quant, fidelity = report.get("quantization") or {}, report.get("fidelity") or {}
-    heldout, mixed = fidelity.get("heldout") or {}, quant.get("mixed_precision") or {}
-    generation = recipe_generation(report.get("generations") or [])
-    bytes_per_token = quant.get("weight_bytes_per_token")
+    report = extracted_report(record.get("report"))
+    quant, fidelity = report.quantization or Quantization(), report.fidelity or Fidelity()
+    heldout, mixed = fidelity.heldout or Heldout(), quant.mixed_precision
+    generation = recipe_generation(report.generations)
+    bytes_per_token = quant.weight_bytes_per_token
     return {"shape": record["shape"], "name": job_name(record), "algorithm": record["algorithm"],
             "group_size": record["group_size"], "mixed_precision_budget": record["mixed_precision_budget"],
             "ok": record["returncode"] == 0 and bytes_per_token is not None, "full_job": record["full_job"],
             "weight_bytes_per_token": bytes_per_token,
             "weight_mb_per_token": round(bytes_per_token / 1e6, 2) if bytes_per_token else None,
-            "pte_mb": round(report["pte_bytes"] / 1e6, 1) if report.get("pte_bytes") else None,
-            "perplexity_ratio": fidelity.get("perplexity_ratio"),
-            "top1_agreement_percent": fidelity.get("top1_agreement_percent"),
-            "heldout_perplexity_ratio": heldout.get("perplexity_ratio"),
-            "heldout_top1_agreement_percent": heldout.get("top1_agreement_percent"),
-            "fidelity_engine": fidelity.get("engine"),
-            "decode_tokens_per_s": generation.get("decode_tokens_per_s"),
-            "prefill_tokens_per_s": generation.get("prefill_tokens_per_s"),
-            "decode_engine": generation.get("engine"), "new_tokens": generation.get("new_tokens"),
-            "quantize_s": (report.get("timings_s") or {}).get("quantize"), "wall_s": record["wall_s"],
-            "peak_rss_mb": record["peak_rss_mb"],
-            "units_8bit": mixed.get("units_8bit"), "extra_bytes_per_token": mixed.get("extra_bytes_per_token")}
+            "pte_mb": round(report.pte.bytes / 1e6, 1) if report.pte.bytes else None,
+            "perplexity_ratio": fidelity.perplexity_ratio,
+            "top1_agreement_percent": fidelity.top1_agreement_percent,
+            "heldout_perplexity_ratio": heldout.perplexity_ratio,
+            "heldout_top1_agreement_percent": heldout.top1_agreement_percent,
+            "fidelity_engine": fidelity.engine,
+            "decode_tokens_per_s": generation.decode_tokens_per_s if generation else None,
+            "prefill_tokens_per_s": generation.prefill_tokens_per_s if generation else None,
+            "decode_engine": generation.engine if generation else None,
+            "new_tokens": generation.new_tokens if generation else None,
+            "quantize_s": report.timings.quantize, "wall_s": record["wall_s"], "peak_rss_mb": record["peak_rss_mb"],
+            "units_8bit": mixed.units_8bit if mixed else None,
+            "extra_bytes_per_token": mixed.extra_bytes_per_token if mixed else None}
 
 
 def is_default(row: dict) -> bool:

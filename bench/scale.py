@@ -78,12 +78,19 @@ def lowerbench_cmd(py: str, folder: Path | None, out: Path, recipe: str, max_seq
 
 
 def report_figures(report: Report) -> dict:
-    """What a scale run keeps of its job's report.json."""
+    """What a scale run keeps of its job's report.json, in the run's own record (`stored_report` reads it back)."""
     return {"timings_s": report.timings.to_dict(), "memory": report.memory.to_dict() if report.memory else None,
             "pte_bytes": report.pte.bytes if report.pte else None,
             "ptd_bytes": report.pte.ptd_bytes if report.pte else None, "errors": [e.to_dict() for e in report.errors],
             "generations": [g.to_dict() for g in report.generations],
             "fidelity": report.fidelity.to_dict() if report.fidelity else None}
+
+
+def stored_report(run: dict) -> Report:
+    """A run's stored figures (report_figures) as the Report they came from; empty for a run without one."""
+    figures = {key: run[key] for key in ("timings_s", "memory", "errors", "generations", "fidelity")
+               if run.get(key) is not None}
+    return Report.from_dict({**figures, "pte": {"bytes": run.get("pte_bytes"), "ptd_bytes": run.get("ptd_bytes")}})
 
 
 def program_bytes(run: dict) -> int | None:
@@ -181,17 +188,16 @@ def summarize_scale(data: dict) -> dict:
                "wall_s": round(median(r["wall_s"] for r in mine), 1),
                "peak_rss_mb": round(median(r["peak_rss_mb"] for r in mine), 1),
                "pte_mb": round(program_bytes(mine[0]) / 1e6, 1) if program_bytes(mine[0]) else None}
-        memory = mine[0].get("memory")
-        if memory:
-            row["stage_peaks_mb"] = memory["peak_rss_mb_by_stage"]
+        memory = stored_report(mine[0]).memory
+        if memory is not None:
+            row["stage_peaks_mb"] = memory.peak_rss_mb_by_stage
             row["estimate_gb"] = mine[0]["estimate_gb"]
         rows.append(row)
-        if key[1].startswith("lowerbench") and memory:
-            estimate = memory.get("estimate") or {}
+        if key[1].startswith("lowerbench") and memory is not None:
             checks.append({"model": key[0], "recipes": [mine[0]["recipe"]], "generate": mine[0]["full_job"],
                            "max_seq_len": 512, "config": mine[0].get("config") or None,
                            "peak_rss_mb": row["peak_rss_mb"], "estimate_at_run_gb": mine[0]["estimate_gb"],
-                           "reference_dtype": estimate.get("reference_dtype")})
+                           "reference_dtype": memory.estimate.reference_dtype if memory.estimate else None})
     decode = []
     for shape, engine in dict.fromkeys((r["shape"], r["engine"]) for r in data.get("decode", [])):
         results = [r["result"] for r in data["decode"] if (r["shape"], r["engine"]) == (shape, engine)

@@ -171,3 +171,15 @@ def test_a_timed_built_in_program_replaces_its_sample_speed_and_decides_which_ro
     pte.write_bytes(b"pte")
     on_disk = [{**runs[0], "pte": str(pte)}, {**runs[1], "pte": str(tmp_path / "gone.pte")}]
     assert builtin_programs(on_disk, "smollm2-135m") == {"minmax g32": on_disk[0]}
+
+
+def test_a_row_reads_the_stored_extract_back_as_its_report():
+    """The front stores an extract of each report (report_extract) and reads it back as a Report; a run that wrote
+    no report.json stores none, and its row says so."""
+    row = _row("hqq", 32, 1.4, 101.0)
+    assert (row["pte_mb"], row["quantize_s"], row["weight_mb_per_token"]) == (100.0, 3.0, 70.0)
+    assert (row["decode_engine"], row["prefill_tokens_per_s"], row["new_tokens"]) == ("executorch-llm-runner", 200.0, 32)
+    assert (row["fidelity_engine"], row["heldout_top1_agreement_percent"], row["units_8bit"]) == (
+        "executorch-runtime", 58.0, None)
+    failed = front_row({**_run("hqq", 32, _report(1, None, None)), "report": None, "returncode": 1})
+    assert not failed["ok"] and failed["pte_mb"] is None and failed["decode_tokens_per_s"] is None

@@ -76,3 +76,18 @@ def test_a_later_invocation_with_peers_keeps_the_other_peers_of_its_shapes():
     assert [r["peer"] for r in one_b].count("optimum") == 2
     assert sorted(r["engine"] for r in new["decode"]) == ["optimum-pte", "optimum-pte", in_runner("optimum-pte")]
     assert new["skipped"] == {}
+
+
+def test_a_row_reads_the_stage_peaks_and_the_estimate_from_the_runs_stored_report():
+    data = _data()
+    memory = {"peak_rss_mb_by_stage": {"load": 900.0, "lower": 4000.0}, "peak_rss_mb": 4000.0,
+              "estimate": {"peak_rss_bytes": 4 * 10**9, "reference_dtype": "torch.float32"}}
+    for run in data["runs"]:
+        if run["peer"] == PEER:
+            run.update(memory=memory, recipe="xnnpack-8da4w", full_job=True, estimate_gb=4.1)
+    summary = summarize_scale(data)
+    row = next(r for r in summary["shapes"] if (r["shape"], r["peer"]) == ("1b", PEER))
+    assert row["stage_peaks_mb"] == {"load": 900.0, "lower": 4000.0} and row["estimate_gb"] == 4.1
+    assert {check["reference_dtype"] for check in summary["estimate_checks"]} == {"torch.float32"}
+    optimum = next(r for r in summary["shapes"] if (r["shape"], r["peer"]) == ("1b", "optimum"))
+    assert "stage_peaks_mb" not in optimum  # optimum-cli writes no report

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import run_cli
+from zoo.entries import read_results
 from tests.test_matrix import _entry_file
 
 HEAD_MEMORY = 3 * 1024**3
@@ -70,12 +71,12 @@ def test_matrix_runs_on_the_cluster_given_by_ray_address_and_sizes_cells_by_its_
     result = run_cli("matrix", "--models", small, str(big), "--recipes", "xnnpack-fp32", "--out", str(out),
                      "--export-only", "--max-seq-len", "32", "--weights", "random", "--ray-address", address, env=auth)
     assert result.returncode == 0, result.stderr[-3000:]
-    cells = {c["model"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
-    assert cells["test/tiny-a"]["status"] == "ok" and cells["test/tiny-a"]["pte_mb"] > 0
+    cells = {c.model: c for c in read_results(out / "results.json")}
+    assert cells["test/tiny-a"].status == "ok" and cells["test/tiny-a"].measured.pte_mb > 0
     # Only the given cluster offers 3 GiB to a task: a local one would offer this machine's memory.
     refused = cells["test/wide"]
-    assert refused["status"] == "refused" and refused["stage"] == "memory-estimate"
-    assert f"offers {HEAD_MEMORY / 1024**3:.1f} GiB" in refused["reason"] and "--ray-address" in refused["reason"]
+    assert refused.status == "refused" and refused.stage == "memory-estimate"
+    assert f"offers {HEAD_MEMORY / 1024**3:.1f} GiB" in refused.reason and "--ray-address" in refused.reason
 
 
 def test_matrix_without_the_clusters_token_says_how_to_give_it(ray_head, tmp_path):

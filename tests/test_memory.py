@@ -2,7 +2,6 @@
 estimate that refuses a job before any weight is downloaded."""
 import importlib.metadata
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,6 @@ from models.llama import ExportOptions, build_exportable
 from quant.schemes import apply_scheme
 from recipes.estimates.memory_estimate import estimate_job
 from recipes.registry import get_recipe
-
-ZOO_RESULTS = Path(__file__).resolve().parent.parent / "zoo" / "results.json"
 
 
 @pytest.fixture(scope="module")
@@ -256,10 +253,10 @@ def test_a_whole_model_algorithm_is_estimated_with_its_float_model_and_refused_w
            f"with no calibration search ({by_unit.peak_rss_bytes / 1e9:.1f} GB)" in str(info.value)
 
 
-def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
-    """zoo/results.json: whole jobs' and export-only peak RSS as `python -m zoo matrix` measured them, from
-    the built-in 135M model to Llama-3.2-3B's shape; the estimate is made here from the zoo entry's config alone."""
-    from zoo.entries import find_entry, preferred_cell
+def zoo_peaks() -> list:
+    """zoo/results.json: whole jobs' and export-only peak RSS as `python -m zoo matrix` measured them, from the
+    built-in 135M model to Llama-3.1-8B's shape, one cell per question as the zoo shows it."""
+    from zoo.entries import preferred_cell, read_results
 
     installed = importlib.metadata.version("executorch")
     # XNNPACK cells only from the installed executorch: Lowerbench's lowering patches (recipes/backends/xnnpack.py)
@@ -267,18 +264,57 @@ def test_estimate_is_within_a_quarter_of_every_peak_the_zoo_measured():
     # lowering (a deep copy per partition, then coremltools or QNN) is the same code in the previous pin.
     # Of a cell measured again (a newer executorch, or Lowerbench's own memory fixes), the newest, as the zoo shows.
     measured = {}
-    for c in json.loads(ZOO_RESULTS.read_text())["cells"]:
-        if c["status"] == "ok" and c["peak_rss_mb"] and (c["backend"] != "xnnpack" or c["versions"]["executorch"] == installed):
-            measured.setdefault((c["model"], c["recipe"], c["export_only"], c["max_seq_len"]), []).append(c)
-    cells = [preferred_cell(group) for group in measured.values()]
-    assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c["model"] for c in cells}
-    for cell in cells:
-        estimate = estimate_job(find_entry(cell["model"]).llama_config(), [get_recipe(cell["recipe"])],
-                                cell["max_seq_len"], not cell["export_only"],
-                                budget_bytes=cell.get("memory_limit_bytes") or 10**12,  # what the cell planned for
-                                options={cell["recipe"]: cell["options"]})
-        ratio = estimate.peak_rss_bytes / (cell["peak_rss_mb"] * 2**20)
-        assert 0.75 <= ratio <= 1.25, (cell["model"], cell["recipe"], cell["export_only"], round(ratio, 3))
+    for cell in read_results():
+        if cell.status == "ok" and cell.measured.peak_rss_mb and (
+                cell.backend != "xnnpack" or cell.versions["executorch"] == installed):
+            measured.setdefault((cell.model, cell.recipe, cell.export_only, cell.max_seq_len), []).append(cell)
+    return [preferred_cell(group) for group in measured.values()]
+
+
+def estimate_over_measured(cell) -> float:
+    """The estimate made from the zoo entry's config alone, over the cell's measured peak."""
+    from zoo.entries import find_entry
+
+    planned_for = cell.task.memory_limit_bytes if cell.task else None  # what the cell's job planned its memory for
+    estimate = estimate_job(find_entry(cell.model).llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len,
+                            not cell.export_only, budget_bytes=planned_for or 10**12,
+                            options={cell.recipe: cell.options})
+    return estimate.peak_rss_bytes / (cell.measured.peak_rss_mb * 2**20)
+
+
+# The memory estimate is fitted on no cells: it adds up per stage what each stage holds, from the config and a few
+# constants (memory_estimate.py's ratios, each backend's lowering_memory_*), and those constants were set by hand
+# from zoo cells measured until this moment (the last, XNNPACK's lowering ratio, from the cells up to
+# Llama-3.1-8B's shape). Since then only the float program's profile ratio was set again, from the 135M and 360M
+# xnnpack-fp32 full jobs measured later. A new setting of a constant moves these two.
+CONSTANTS_SET_AT = "2026-12-06T10:20:34Z"
+SET_AGAIN_FROM = {("xnnpack-fp32", False)}  # (recipe, export only) of later cells a constant was set from
+
+
+def set_its_constants(cell) -> bool:
+    return (cell.measured_at or cell.date) < CONSTANTS_SET_AT or (cell.recipe, cell.export_only) in SET_AGAIN_FROM
+
+
+def test_estimate_is_within_a_quarter_of_every_peak_measured_after_its_constants_were_set():
+    """Held out: the zoo's peaks measured after the estimate's constants were set, none of them used to set one,
+    judged against the estimate made from the config alone (full jobs and export-only, three backends, 135M to
+    Llama-3.2-3B's shape)."""
+    held_out = [cell for cell in zoo_peaks() if not set_its_constants(cell)]
+    assert {"coreml", "qnn", "xnnpack"} <= {cell.backend for cell in held_out}
+    assert {True, False} <= {cell.export_only for cell in held_out}
+    for cell in held_out:
+        ratio = estimate_over_measured(cell)
+        assert 0.75 <= ratio <= 1.25, (cell.model, cell.recipe, cell.export_only, round(ratio, 3))
+
+
+def test_estimate_still_gives_within_a_quarter_the_peaks_its_constants_were_set_from():
+    """Not a judgement of the estimate, which was set to meet these: a change to the memory a stage holds, or to a
+    constant, that leaves a peak it was set from behind shows here."""
+    fitted = [cell for cell in zoo_peaks() if set_its_constants(cell)]
+    assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"} <= {c.model for c in fitted}
+    for cell in fitted:
+        ratio = estimate_over_measured(cell)
+        assert 0.75 <= ratio <= 1.25, (cell.model, cell.recipe, cell.export_only, round(ratio, 3))
 
 
 @pytest.mark.parametrize("scheme", ["8da4w", "8da8w", "int4-weight", "8da4w-emb4", "c4w"])

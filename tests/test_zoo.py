@@ -18,20 +18,21 @@ def test_zoo_lists_the_required_models():
 
 
 @pytest.mark.parametrize("repo_id", sorted(ENTRIES))
-def test_zoo_entry_config_loads_as_llama_config(repo_id):
+def test_zoo_entry_config_loads_as_llama_config(repo_id, tmp_path):
+    """The entry's config as a checkpoint's config.json, read as the pipeline reads one: transformers picks the
+    config class by model_type, so a config that is no Llama's is not taken for one (entry.llama_config() makes a
+    LlamaConfig of whatever it is given); and the shape the zoo's estimates read from it is the one a job builds."""
     from transformers import LlamaConfig
 
-    from models.sources.config import check_llama_config
-    from models.sources.consistency import check_config_sizes
+    from models.sources.config import read_config
     from models.llama import LlamaShape, checkpoint_tensors
 
     entry = ENTRIES[repo_id]
+    (tmp_path / "config.json").write_text(json.dumps(entry.config))
+    loaded = read_config(tmp_path)  # raises on a config that is no Llama's or whose sizes do not fit together
+    assert type(loaded) is LlamaConfig, type(loaded).__name__
     config = entry.llama_config()
-    assert isinstance(config, LlamaConfig)
-    check_llama_config(config, repo_id)
-    check_config_sizes(config, repo_id)  # raises on sizes that do not fit together
-    shape = LlamaShape.from_config(config)
-    assert shape.n_heads % shape.n_kv_heads == 0 and shape.head_dim % 2 == 0
+    assert LlamaShape.from_config(config) == LlamaShape.from_config(loaded)
     # the module's tensors hold the entry's published parameter count (embeddings counted once when tied)
     counted = sum(math.prod(size) for name, size in checkpoint_tensors(config).items()
                   if not (config.tie_word_embeddings and name == "lm_head.weight"))
@@ -94,13 +95,14 @@ def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_p
 
 
 def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
+    from zoo.cell_result import CellResult, JobFigures
     from zoo.report import backend_tables
 
     def cell(export_only, status="ok", decode=None):
-        return {"model": "m", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "status": status, "stage": None,
-                "export_only": export_only, "delegated_percent": 80.0, "pte_mb": 900.0, "export_s": 10.0,
-                "peak_rss_mb": 4096.0, "decode_tokens_per_s": decode, "engine": "executorch-runtime",
-                "perplexity_ratio": None, "fidelity": "needs real weights"}
+        return CellResult(model="m", recipe="xnnpack-8da4w", backend="xnnpack", status=status, export_only=export_only,
+                          figures=JobFigures(delegated_percent=80.0, pte_mb=900.0, export_s=10.0, peak_rss_mb=4096.0,
+                                             decode_tokens_per_s=decode, engine="executorch-runtime",
+                                             fidelity="needs real weights"))
 
     for cells in ([cell(False, decode=20.4), cell(True)], [cell(True), cell(False, decode=20.4)]):
         table = "\n".join(backend_tables(cells))
@@ -110,13 +112,14 @@ def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
 
 
 def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
+    from zoo.cell_result import CellResult, JobFigures
     from zoo.report import backend_tables
 
     def cell(executorch, peak_mb):
-        return {"model": "m", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "status": "ok", "stage": None,
-                "export_only": True, "delegated_percent": 80.0, "pte_mb": 900.0, "export_s": 10.0,
-                "peak_rss_mb": peak_mb, "decode_tokens_per_s": None, "engine": None, "perplexity_ratio": None,
-                "fidelity": "needs real weights", "versions": {"executorch": executorch}}
+        return CellResult(model="m", recipe="xnnpack-8da4w", backend="xnnpack", status="ok", export_only=True,
+                          versions={"executorch": executorch},
+                          figures=JobFigures(delegated_percent=80.0, pte_mb=900.0, export_s=10.0, peak_rss_mb=peak_mb,
+                                             fidelity="needs real weights"))
 
     for cells in ([cell("1.4.1", 4096.0), cell("1.5.1", 3072.0)], [cell("1.5.1", 3072.0), cell("1.4.1", 4096.0)]):
         table = "\n".join(backend_tables(cells))
@@ -124,11 +127,15 @@ def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
 
 
 def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_cells(tmp_path):
+    from dataclasses import replace
+
+    from zoo.cell_result import CellResult, JobFigures
     from zoo.plots import scaling_series
 
     def cell(model, recipe, peak_mb, executorch="1.5.1", export_only=True, status="ok"):
-        return {"model": model, "recipe": recipe, "status": status, "export_only": export_only,
-                "peak_rss_mb": peak_mb, "pte_mb": peak_mb and peak_mb / 4, "versions": {"executorch": executorch}}
+        return CellResult(model=model, recipe=recipe, status=status, export_only=export_only,
+                          versions={"executorch": executorch},
+                          figures=JobFigures(peak_rss_mb=peak_mb, pte_mb=peak_mb and peak_mb / 4))
 
     params = {"small": 1e8, "mid": 1e9, "big": 3e9}
     cells = [cell("big", "xnnpack-8da4w", 6144.0), cell("small", "xnnpack-8da4w", 1024.0),
@@ -137,7 +144,7 @@ def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_
              cell("small", "coreml-int4", 2048.0), cell("mid", "coreml-int4", 8192.0),
              cell("big", "coreml-int4", None, status="refused"),  # two finished models: no line
              cell("unlisted", "xnnpack-8da4w", 512.0),  # no size known: left out, not an error
-             {**cell("own-entry", "xnnpack-8da4w", 2048.0), "params": 5e8}]  # the cell's own count
+             replace(cell("own-entry", "xnnpack-8da4w", 2048.0), params=5e8)]  # the cell's own count
     series = scaling_series(cells, params.get)
 
     assert list(series) == ["xnnpack-8da4w"]
@@ -155,3 +162,83 @@ def test_zoo_scaling_plot_has_a_line_per_recipe_on_enough_models_with_the_shown_
     subprocess.run([sys.executable, "-c", script, json.dumps(series), str(tmp_path / "scaling.png")], check=True,
                    cwd=Path(__file__).resolve().parent.parent)
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_json_reads_into_typed_cells_and_writes_back_byte_for_byte():
+    """zoo/results.json as the matrix wrote it, with cells of the versions that wrote it (some without the keys
+    added since): read into CellResults, then written as the matrix writes results.json and each cell's file."""
+    from zoo.cell_result import load_results
+    from zoo.entries import ZOO_DIR
+
+    path = ZOO_DIR / "results.json"
+    results = load_results(path)
+    assert results.to_json().encode() == path.read_bytes()
+    stored = json.loads(path.read_text())["cells"]
+    assert [cell.to_json() for cell in results.cells] == [json.dumps(cell, indent=2) for cell in stored]
+    for cell in results.cells:
+        assert cell.status in ("ok", "failed", "refused", "oom") and cell.model and cell.recipe
+        if cell.status == "ok":
+            assert cell.figures is not None and cell.measured.peak_rss_mb > 0 and cell.estimate_gib is None
+        if cell.status == "refused":
+            assert cell.figures is None and cell.task is None and cell.estimate_gib > 0
+            assert cell.measured.pte_mb is None  # a cell without figures reads as measuring nothing
+
+
+# Records as earlier versions of the matrix wrote them: before the parameter count, the time of day, the memory
+# limit, the host's speed and the stage times were recorded, and with a key this version does not know.
+OLDER_CELLS = [
+    {"key": "a" * 16, "model": "m/a", "recipe": "xnnpack-8da4w", "backend": "xnnpack", "options": {"group_size": 128},
+     "max_seq_len": 512, "export_only": True, "weights": "random bf16, shape-identical",
+     "model_identity": "config-sha256:0", "versions": {"executorch": "1.4.1"}, "date": "2026-11-30",
+     "cpu": "AMD EPYC", "cores": 2, "host": "vm", "status": "failed", "stage": "request",
+     "reason": "group size 128 does not divide q/k/v/gate/up/lm_head (576)", "seconds": 1.5},
+    {"key": "b" * 16, "model": "m/b", "recipe": "coreml-fp16", "backend": "coreml", "options": {},
+     "max_seq_len": 512, "export_only": True, "weights": "random bf16, shape-identical",
+     "model_identity": "config-sha256:1", "versions": {"executorch": "1.5.1"}, "date": "2026-12-01",
+     "cpu": "AMD EPYC", "cores": 2, "status": "refused", "stage": "memory-estimate",
+     "reason": "needs ~24.0 GiB", "estimate_gib": 24.01},
+    {"key": "c" * 16, "model": "m/c", "recipe": "xnnpack-fp32", "backend": "xnnpack", "params": 134515008,
+     "options": {}, "max_seq_len": 256, "export_only": False, "weights": "hub", "model_identity": "hub:0",
+     "versions": {"executorch": "1.5.1"}, "date": "2026-12-02", "measured_at": "2026-12-02T10:00:00Z",
+     "cpu": "AMD EPYC", "cores": 2, "host": "vm", "memory_limit_bytes": 17179869184.0, "status": "ok",
+     "stage": None, "reason": None, "delegated_percent": 99.5, "pte_mb": 540.2, "export_s": 20.0, "lower_s": 30.0,
+     "peak_rss_mb": 2048.0, "decode_tokens_per_s": 12.5, "engine": "executorch-llm-runner", "perplexity_ratio": 1.0,
+     "fidelity": "measured", "runtime_note": None, "quant_algorithm": None, "seconds": 120.0,
+     "written_by_a_later_version": [1, 2]},
+    {"key": "d" * 16, "model": "m/d", "recipe": "xnnpack-fp32", "backend": "xnnpack", "options": {},
+     "max_seq_len": 512, "export_only": True, "weights": "random bf16, shape-identical",
+     "model_identity": "config-sha256:3", "versions": {"executorch": "1.5.1"}, "date": "2026-12-03",
+     "measured_at": None, "cpu": "AMD EPYC", "cores": 2, "status": "oom", "stage": "run",
+     "reason": "out of memory: OutOfMemoryError: killed"},
+]
+
+
+def test_cells_written_by_earlier_versions_load_and_keep_their_keys():
+    from zoo.cell_result import CellResult
+
+    failed, refused, full_job, killed = cells = [CellResult.from_dict(record) for record in OLDER_CELLS]
+    assert [cell.to_json() for cell in cells] == [json.dumps(record, indent=2) for record in OLDER_CELLS]
+    assert (failed.status, failed.stage, failed.params, failed.task.host, failed.task.host_speed) == (
+        "failed", "request", None, "vm", None)
+    assert failed.figures is None and failed.seconds == 1.5 and failed.executorch_version == (1, 4, 1)
+    assert (refused.estimate_gib, refused.task, refused.measured.peak_rss_mb) == (24.01, None, None)
+    # a key written as null stays, one never written stays away
+    assert full_job.measured.quant_algorithm is None and "quant_algorithm" in full_job.to_dict()
+    assert full_job.measured.stages_s is None and "stages_s" not in full_job.to_dict()
+    assert full_job.other == {"written_by_a_later_version": [1, 2]} and full_job.measured.decode_tokens_per_s == 12.5
+    assert killed.measured_at is None and "measured_at" in killed.to_dict() and "host" not in killed.to_dict()
+
+
+def test_a_new_cell_writes_every_key_of_its_kind_in_the_matrixs_order():
+    from zoo.cell_result import CellResult, JobFigures, TaskHost
+
+    ran = CellResult(key="k", model="m", status="ok", task=TaskHost(host="vm"), figures=JobFigures(alone=True),
+                     seconds=3.0)
+    keys = list(ran.to_dict())
+    assert keys[:2] == ["key", "model"] and keys[-1] == "seconds" and "estimate_gib" not in keys
+    assert keys.index("cores") < keys.index("host") < keys.index("host_speed") < keys.index("status")
+    assert keys.index("reason") < keys.index("delegated_percent") and keys.index("quant_algorithm") < keys.index("seconds")
+    assert ran.to_dict()["memory_limit_bytes"] is None and ran.to_dict()["stage"] is None
+    refused = CellResult(key="k", status="refused", estimate_gib=30.0)
+    assert list(refused.to_dict())[-1] == "estimate_gib" and "seconds" not in refused.to_dict()
+    assert "host" not in refused.to_dict() and "pte_mb" not in refused.to_dict()

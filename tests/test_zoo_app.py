@@ -33,16 +33,16 @@ def test_zoo_tab_fills_the_hub_repo_and_preselects_recommended_recipes(app):  # 
         # The backend filter, on what the matrix measured: a measured backend keeps its rows and drops the
         # others'; a backend with no measured cell empties the table.
         cells = zoo.read_results()
-        shown = cells[0]["backend"]
-        others = {c["recipe"] for c in cells if c["backend"] != shown}
-        unmeasured = next(b for b in load_backends().backends if b not in {c["backend"] for c in cells})
+        shown = cells[0].backend
+        others = {c.recipe for c in cells if c.backend != shown}
+        unmeasured = next(b for b in load_backends().backends if b not in {c.backend for c in cells})
         page.get_by_role("tab", name="Zoo").click()
         pick_backend(page, shown)
-        expect(page.locator("#zoo-table")).to_contain_text(cells[0]["recipe"], timeout=30_000)
+        expect(page.locator("#zoo-table")).to_contain_text(cells[0].recipe, timeout=30_000)
         for recipe in others:
             expect(page.locator("#zoo-table")).not_to_contain_text(recipe)
         pick_backend(page, unmeasured)
-        expect(page.locator("#zoo-table")).not_to_contain_text(cells[0]["recipe"], timeout=30_000)
+        expect(page.locator("#zoo-table")).not_to_contain_text(cells[0].recipe, timeout=30_000)
         browser.close()
 
 

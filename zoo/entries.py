@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import UserFacingError
+from zoo.cell_result import CellResult, load_results
 
 ZOO_DIR = Path(__file__).resolve().parent
 NEEDS_REAL_WEIGHTS = "needs real weights"
@@ -99,52 +100,47 @@ def recommendation_problems(entry: ZooEntry) -> list[str]:
     return problems
 
 
-def read_results(path: Path = ZOO_DIR / "results.json") -> list[dict]:
-    path = Path(path)
-    return json.loads(path.read_text())["cells"] if path.is_file() else []
+def read_results(path: Path = ZOO_DIR / "results.json") -> list[CellResult]:
+    return load_results(path).cells
 
 
 TABLE_COLUMNS = ("model", "recipe", "backend", "status", "delegated %", ".pte MB", "export s", "peak RSS MB",
                  "decode tok/s", "engine", "ppl ratio", "weights", "reason")
 
 
-def cell_figures(cell: dict) -> dict:
+def cell_figures(cell: CellResult) -> dict:
     """The figures a table shows for one cell; None where not measured."""
+    measured = cell.measured
     return {
-        "model": cell["model"], "recipe": cell["recipe"], "backend": cell["backend"], "status": cell["status"],
-        "delegated %": cell.get("delegated_percent"), ".pte MB": cell.get("pte_mb"), "export s": cell.get("export_s"),
-        "peak RSS MB": cell.get("peak_rss_mb"), "decode tok/s": cell.get("decode_tokens_per_s"),
-        "engine": "export only" if cell.get("export_only") else cell.get("engine"),
-        "ppl ratio": cell.get("perplexity_ratio") if cell.get("perplexity_ratio") is not None else cell.get("fidelity"),
-        "weights": cell.get("weights"), "reason": cell.get("reason"),
+        "model": cell.model, "recipe": cell.recipe, "backend": cell.backend, "status": cell.status,
+        "delegated %": measured.delegated_percent, ".pte MB": measured.pte_mb, "export s": measured.export_s,
+        "peak RSS MB": measured.peak_rss_mb, "decode tok/s": measured.decode_tokens_per_s,
+        "engine": "export only" if cell.export_only else measured.engine,
+        "ppl ratio": measured.perplexity_ratio if measured.perplexity_ratio is not None else measured.fidelity,
+        "weights": cell.weights, "reason": cell.reason,
     }
 
 
-def table_rows(cells: list[dict], backend: str | None = None) -> list[dict]:
+def table_rows(cells: list[CellResult], backend: str | None = None) -> list[dict]:
     """Rows of the zoo table (one per cell), optionally one backend's."""
-    return [cell_figures(c) for c in cells if backend in (None, "all", c["backend"])]
+    return [cell_figures(c) for c in cells if backend in (None, "all", c.backend)]
 
 
-def preferred_cell(cells: list[dict]) -> dict:
+def preferred_cell(cells: list[CellResult]) -> CellResult:
     """Of the cells of one model × recipe, a finished full job's first (it has decode and fidelity figures),
     then a finished export-only one; of equal ones, the one with the recipe's default algorithm (a cell may name
     another to compare), then the one measured on the newest executorch, then the latest (a matrix re-run after a
     version or option change adds cells beside the old ones)."""
-    return max(cells, key=lambda c: (c["status"] == "ok", not c.get("export_only"),
-                                     "quant_algorithm" not in (c.get("options") or {}), executorch_version(c),
-                                     c.get("measured_at") or c.get("date", "")))
+    return max(cells, key=lambda c: (c.status == "ok", not c.export_only,
+                                     "quant_algorithm" not in (c.options or {}), c.executorch_version,
+                                     c.measured_at or c.date or ""))
 
 
-def executorch_version(cell: dict) -> tuple[int, ...]:
-    version = (cell.get("versions") or {}).get("executorch", "")
-    return tuple(int(part) for part in version.split("+")[0].split(".") if part.isdigit())
-
-
-def recommended_for(entry: ZooEntry, cells: list[dict]) -> list[dict]:
+def recommended_for(entry: ZooEntry, cells: list[CellResult]) -> list[dict]:
     """Each recommended recipe of a model with what the matrix measured for it (if anything)."""
     rows = []
     for backend, rec in entry.recommended.items():
-        measured = [c for c in cells if c["model"] == entry.repo_id and c["recipe"] == rec["recipe"]]
+        measured = [c for c in cells if c.model == entry.repo_id and c.recipe == rec["recipe"]]
         figures = cell_figures(preferred_cell(measured)) if measured else {"status": "not measured"}
         rows.append({"backend": backend, "recipe": rec["recipe"], "max context": rec["max_seq_len"],
                      "options": ", ".join(f"{k}={v}" for k, v in rec.get("options", {}).items()), "why": rec["why"],

@@ -9,7 +9,7 @@ import os
 import platform
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from models.errors import UserFacingError
@@ -17,6 +17,7 @@ from recipes.process import thread_policy
 from recipes.output.report import JobSummary, package_versions
 from recipes.output.summary import recipe_figures
 from recipes.estimates.time_estimate import RECIPE_STAGES, SHARED_STAGES
+from zoo.cell_result import CellResult, JobFigures, TaskHost, ZooResults, load_cell, load_results
 from zoo.entries import NEEDS_REAL_WEIGHTS, ZooEntry, find_entry, repo_slug
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -123,23 +124,24 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def base_record(cell: Cell) -> dict:
+def base_record(cell: Cell) -> CellResult:
+    """What every cell's record holds: the question it answers, and where and when it was asked."""
     # these load torch, which a Ray task loads after its thread policy
     from recipes.estimates.memory_estimate import parameter_count
     from recipes.registry import get_recipe
 
     now = time.gmtime()
-    return {
-        "key": cell.key, "model": cell.entry.repo_id, "recipe": cell.recipe, "backend": get_recipe(cell.recipe).backend.name,
-        "params": parameter_count(cell.entry.llama_config()),
-        "options": cell.options, "max_seq_len": cell.max_seq_len, "export_only": not cell.generate,
-        "weights": cell.weights, "model_identity": cell.identity, "versions": cell.versions,
-        "date": time.strftime("%Y-%m-%d", now), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
-        "cpu": cpu_name(), "cores": os.cpu_count(),
-    }
+    return CellResult(
+        key=cell.key, model=cell.entry.repo_id, recipe=cell.recipe, backend=get_recipe(cell.recipe).backend.name,
+        params=parameter_count(cell.entry.llama_config()),
+        options=cell.options, max_seq_len=cell.max_seq_len, export_only=not cell.generate,
+        weights=cell.weights, model_identity=cell.identity, versions=cell.versions,
+        date=time.strftime("%Y-%m-%d", now), measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
+        cpu=cpu_name(), cores=os.cpu_count(),
+    )
 
 
-def record_from_report(record: dict, summary: JobSummary, random_weights: bool) -> dict:
+def record_from_report(record: CellResult, summary: JobSummary, random_weights: bool) -> CellResult:
     """The zoo's record of a cell from its one-recipe job."""
     report = summary.recipes[0]
     figures = recipe_figures(report, summary.reference)
@@ -148,28 +150,26 @@ def record_from_report(record: dict, summary: JobSummary, random_weights: bool) 
     ratio = None
     if fidelity and fidelity.perplexity and fidelity.perplexity_fp32:
         ratio = round(fidelity.perplexity / fidelity.perplexity_fp32, 4)
-    return {
-        **record,
-        "status": "failed" if error else "ok",
-        "stage": error.stage if error else None,
-        "reason": error.message if error else None,
-        "delegated_percent": figures.delegated_percent, "pte_mb": figures.pte_mb,
-        "export_s": report.timings.export, "lower_s": report.timings.lower, "peak_rss_mb": report.timings.peak_rss_mb,
-        "decode_tokens_per_s": figures.decode_tokens_per_s, "engine": figures.engine,
-        "perplexity_ratio": None if random_weights else ratio,
-        "fidelity": NEEDS_REAL_WEIGHTS if random_weights else ("measured" if ratio is not None else "not measured"),
-        "runtime_note": report.runtime_note,
+    measured = JobFigures(
+        delegated_percent=figures.delegated_percent, pte_mb=figures.pte_mb,
+        export_s=report.timings.export, lower_s=report.timings.lower, peak_rss_mb=report.timings.peak_rss_mb,
+        decode_tokens_per_s=figures.decode_tokens_per_s, engine=figures.engine,
+        perplexity_ratio=None if random_weights else ratio,
+        fidelity=NEEDS_REAL_WEIGHTS if random_weights else ("measured" if ratio is not None else "not measured"),
+        runtime_note=report.runtime_note,
         # each stage's seconds, measured with the whole node (cell_cpus): the time estimate's rates
-        "stages_s": {stage: seconds for stage in (*SHARED_STAGES, *RECIPE_STAGES)
-                     if isinstance(seconds := getattr(report.timings, stage), (int, float))},
-        "alone": True,
+        stages_s={stage: seconds for stage in (*SHARED_STAGES, *RECIPE_STAGES)
+                  if isinstance(seconds := getattr(report.timings, stage), (int, float))},
+        alone=True,
         # the int4 algorithm the job ran, the scheme's default included (None: the scheme takes none)
-        "quant_algorithm": report.recipe.options.get("quant_algorithm"),
-    }
+        quant_algorithm=report.recipe.options.get("quant_algorithm"),
+    )
+    return replace(record, status="failed" if error else "ok", stage=error.stage if error else None,
+                   reason=error.message if error else None, figures=measured)
 
 
 def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, tracker=None,
-             memory_limit_bytes: int | None = None) -> dict:
+             memory_limit_bytes: int | None = None) -> CellResult:
     """The body of one Ray task: the same `run()` as `python -m recipes run`, one recipe, one model. With
     memory_limit_bytes (what the node offers a task), the job plans its memory (its reference's form, say)
     for that limit, as the matrix's estimate did, not for the node's free RAM."""
@@ -186,8 +186,8 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
 
     from recipes.estimates.host_speed import host_speed  # loads torch, after the thread policy
 
-    record = {**base_record(cell), "host": platform.node(),  # on a cluster: the node that ran the cell
-              "memory_limit_bytes": memory_limit_bytes, "host_speed": host_speed().to_dict()}
+    record = replace(base_record(cell), task=TaskHost(host=platform.node(),  # on a cluster: the node that ran the cell
+                                                      memory_limit_bytes=memory_limit_bytes, host_speed=host_speed()))
     started = time.perf_counter()
     request = RunRequest(recipes=[cell.recipe], out_dir=Path(run_dir), model=model_path, options=cell.options,
                          max_seq_len=cell.max_seq_len, max_new_tokens=min(32, cell.max_seq_len // 4),
@@ -195,16 +195,16 @@ def run_cell(cell: Cell, model_path: str | None, run_dir: str, keep_pte: bool, t
     try:
         summary = run(request)
     except UserFacingError as err:  # refused before any export (options, context, checkpoint)
-        return {**record, "status": "failed", "stage": "request", "reason": str(err),
-                "seconds": round(time.perf_counter() - started, 1)}
+        return replace(record, status="failed", stage="request", reason=str(err),
+                       seconds=round(time.perf_counter() - started, 1))
     except Exception as err:  # an unexpected failure of this cell must not stop the matrix
-        return {**record, "status": "failed", "stage": "run", "reason": f"{type(err).__name__}: {err}",
-                "seconds": round(time.perf_counter() - started, 1)}
+        return replace(record, status="failed", stage="run", reason=f"{type(err).__name__}: {err}",
+                       seconds=round(time.perf_counter() - started, 1))
     result = record_from_report(record, summary, random_weights=cell.weights == WEIGHTS_RANDOM)
     if not keep_pte:  # the program and its weights file: a big model's cells would fill the disk
         for name in ("model.pte", "model.ptd"):
             (Path(run_dir) / name).unlink(missing_ok=True)
-    return {**result, "seconds": round(time.perf_counter() - started, 1)}
+    return replace(result, seconds=round(time.perf_counter() - started, 1))
 
 
 def build_checkpoint(config: dict, folder: str) -> str:
@@ -260,20 +260,20 @@ def cell_cpus(node_cpus: float) -> int:
     return max(1, int(node_cpus))
 
 
-def refusal(cell: Cell, estimate, node_memory: float) -> dict | None:
+def refusal(cell: Cell, estimate, node_memory: float) -> CellResult | None:
     if estimate.peak_rss_bytes <= node_memory:
         return None
     gib = 1024**3  # Ray counts memory in bytes; --memory-gb gives GiB, as Ray's own CLI does
-    return {**base_record(cell), "status": "refused", "stage": "memory-estimate",
-            "reason": (f"needs ~{estimate.peak_rss_bytes / gib:.1f} GiB (the estimated peak, at {estimate.peak_stage}); the "
-                       f"largest node offers {node_memory / gib:.1f} GiB to a task: run it on a node with more memory "
-                       "(--ray-address)"),
-            "estimate_gib": round(estimate.peak_rss_bytes / gib, 2)}
+    return replace(base_record(cell), status="refused", stage="memory-estimate",
+                   reason=(f"needs ~{estimate.peak_rss_bytes / gib:.1f} GiB (the estimated peak, at "
+                           f"{estimate.peak_stage}); the largest node offers {node_memory / gib:.1f} GiB to a task: "
+                           "run it on a node with more memory (--ray-address)"),
+                   estimate_gib=round(estimate.peak_rss_bytes / gib, 2))
 
 
-def oom_record(cell: Cell, err: Exception) -> dict:
-    return {**base_record(cell), "status": "oom", "stage": "run",
-            "reason": f"out of memory: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]}
+def oom_record(cell: Cell, err: Exception) -> CellResult:
+    return replace(base_record(cell), status="oom", stage="run",
+                   reason=f"out of memory: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500])
 
 
 def _tracker_class():
@@ -307,7 +307,7 @@ def cell_path(out: Path, cell: Cell) -> Path:
 def done_before(out: Path, cell: Cell) -> bool:
     """A result exists and is not an OOM kill (which depends on what else ran on the node: tried again)."""
     path = cell_path(out, cell)
-    return path.is_file() and json.loads(path.read_text())["status"] != "oom"
+    return path.is_file() and load_cell(path).status != "oom"
 
 
 def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print, remeasure: bool = False) -> dict:
@@ -337,8 +337,8 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print, 
                                 budget_bytes=node_memory, options={cell.recipe: cell.options})
         refused = refusal(cell, estimate, node_memory)
         if refused is not None:
-            write_atomically(cell_path(out, cell), json.dumps(refused, indent=2).encode())
-            log(f"refused {cell.entry.repo_id} x {cell.recipe}: {refused['reason']}")
+            write_atomically(cell_path(out, cell), refused.to_json().encode())
+            log(f"refused {cell.entry.repo_id} x {cell.recipe}: {refused.reason}")
             finished += 1
             continue
         model_path = None if cell.weights == WEIGHTS_BUILTIN else (cell.entry.repo_id if cell.weights == "hub" else None)
@@ -366,27 +366,27 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print, 
                 except (ray.exceptions.OutOfMemoryError, ray.exceptions.WorkerCrashedError) as err:
                     record = oom_record(cell, err)
                 except ray.exceptions.RayTaskError as err:  # the checkpoint build failed: the cell cannot run
-                    record = {**base_record(cell), "status": "failed", "stage": "random-checkpoint",
-                              "reason": str(err).splitlines()[-1][:500]}
-                write_atomically(cell_path(out, cell), json.dumps(record, indent=2).encode())
+                    record = replace(base_record(cell), status="failed", stage="random-checkpoint",
+                                     reason=str(err).splitlines()[-1][:500])
+                write_atomically(cell_path(out, cell), record.to_json().encode())
                 computed += 1
                 bar.update(1)
-                log(f"{record['status']:<7} {cell.entry.repo_id} x {cell.recipe}"
-                    + (f" ({record['stage']}: {record['reason'][:160]})" if record.get("reason") else ""))
+                log(f"{record.status:<7} {cell.entry.repo_id} x {cell.recipe}"
+                    + (f" ({record.stage}: {record.reason[:160]})" if record.reason else ""))
     records = write_results(out)
     return {"computed": computed + finished, "skipped": skipped, "cells": records}
 
 
-def _question(record: dict) -> str:
+def _question(record: CellResult) -> str:
     """What a cell answers: a later cell asking the same (with newer versions, say) supersedes it."""
-    return json.dumps([record["model"], record["recipe"], record["options"], record["max_seq_len"],
-                       record["export_only"], record["weights"]], sort_keys=True)
+    return json.dumps([record.model, record.recipe, record.options, record.max_seq_len, record.export_only,
+                       record.weights], sort_keys=True)
 
 
-def latest_cells(records: list[dict]) -> list[dict]:
+def latest_cells(records: list[CellResult]) -> list[CellResult]:
     """One record per question, the latest measured (a tie: an answer over a refusal or a failure)."""
-    latest: dict[str, dict] = {}
-    for record in sorted(records, key=lambda r: (r.get("measured_at") or r["date"], r["status"] == "ok")):
+    latest: dict[str, CellResult] = {}
+    for record in sorted(records, key=lambda r: (r.measured_at or r.date, r.status == "ok")):
         latest[_question(record)] = record
     return list(latest.values())
 
@@ -406,26 +406,26 @@ def seed_cells(out: Path, results_path: Path) -> int:
     from recipes.files.atomic_write import write_atomically  # loads torch, which a Ray task loads after its thread policy
 
     written = 0
-    for record in json.loads(Path(results_path).read_text())["cells"]:
-        path = cell_file(out, _model_slug(record["model"]), record["recipe"], record["key"])
+    for record in load_results(results_path).cells:
+        path = cell_file(out, _model_slug(record.model), record.recipe, record.key)
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, json.dumps(record, indent=2).encode())
+            write_atomically(path, record.to_json().encode())
             written += 1
     return written
 
 
-def write_results(out: Path) -> list[dict]:
+def write_results(out: Path) -> list[CellResult]:
     """results.json (the latest cell of each question in out/cells), README.md and heatmap.png beside it."""
     # these load torch, which a Ray task loads after its thread policy
     from recipes.files.atomic_write import write_atomically
     from zoo.report import write_readme
 
-    records = sorted(latest_cells([json.loads(p.read_text()) for p in (Path(out) / "cells").glob("*.json")]),
-                     key=lambda r: (r["backend"], r["model"], r["recipe"]))
-    document = {"generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_name(),
-                "cores": os.cpu_count(), "cells": records}
-    write_atomically(Path(out) / "results.json", json.dumps(document, indent=2).encode())
+    records = sorted(latest_cells([load_cell(p) for p in (Path(out) / "cells").glob("*.json")]),
+                     key=lambda r: (r.backend, r.model, r.recipe))
+    document = ZooResults(generated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cpu=cpu_name(),
+                          cores=os.cpu_count(), cells=records)
+    write_atomically(Path(out) / "results.json", document.to_json().encode())
     write_readme(document, Path(out))
     return records
 

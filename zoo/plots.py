@@ -6,27 +6,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipes.files.atomic_write import write_atomically
-from zoo.entries import executorch_version, preferred_cell
+from zoo.cell_result import CellResult
+from zoo.entries import preferred_cell
 
 # A line needs this many models to say anything about how the cost grows.
 MIN_MODELS = 3
 
 
-def scaling_series(cells: list[dict], parameters_of) -> dict[str, list[dict]]:
+def scaling_series(cells: list[CellResult], parameters_of) -> dict[str, list[dict]]:
     """recipe -> [{model, params, peak_gib, pte_gb}] sorted by params, for recipes finished export-only on at
     least MIN_MODELS models. A cell records its model's parameter count; for one that does not,
     `parameters_of(model repo id)` gives it, or None (that model is left out)."""
-    finished = [c for c in cells if c["status"] == "ok" and c.get("export_only") and c.get("peak_rss_mb")]
-    recorded = {c["model"]: c["params"] for c in finished if c.get("params")}
-    sizes = {m: recorded.get(m) or parameters_of(m) for m in dict.fromkeys(c["model"] for c in finished)}
-    finished = [c for c in finished if sizes[c["model"]]]
+    finished = [c for c in cells if c.status == "ok" and c.export_only and c.measured.peak_rss_mb]
+    recorded = {c.model: c.params for c in finished if c.params}
+    sizes = {m: recorded.get(m) or parameters_of(m) for m in dict.fromkeys(c.model for c in finished)}
+    finished = [c for c in finished if sizes[c.model]]
     series: dict[str, list[dict]] = {}
-    for recipe in sorted({c["recipe"] for c in finished}):
+    for recipe in sorted({c.recipe for c in finished}):
         points = []
-        for model in dict.fromkeys(c["model"] for c in finished if c["recipe"] == recipe):
-            cell = preferred_cell([c for c in finished if (c["model"], c["recipe"]) == (model, recipe)])
-            points.append({"model": model, "params": sizes[model], "peak_gib": cell["peak_rss_mb"] / 1024,
-                           "pte_gb": (cell.get("pte_mb") or 0) / 1000, "executorch": executorch_version(cell)})
+        for model in dict.fromkeys(c.model for c in finished if c.recipe == recipe):
+            cell = preferred_cell([c for c in finished if (c.model, c.recipe) == (model, recipe)])
+            points.append({"model": model, "params": sizes[model], "peak_gib": cell.measured.peak_rss_mb / 1024,
+                           "pte_gb": (cell.measured.pte_mb or 0) / 1000, "executorch": cell.executorch_version})
         if len(points) >= MIN_MODELS:
             series[recipe] = sorted(points, key=lambda p: p["params"])
     return series

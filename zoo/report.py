@@ -5,7 +5,8 @@ from pathlib import Path
 
 from recipes.files.atomic_write import write_atomically
 from recipes.estimates.memory_estimate import parameter_count
-from zoo.entries import load_entries, preferred_cell
+from zoo.cell_result import CellResult, ZooResults
+from zoo.entries import NEEDS_REAL_WEIGHTS, load_entries, preferred_cell
 from zoo.plots import save_figure, scaling_series, write_scaling_plot
 
 STATUS_MARK = {"ok": "ok", "failed": "failed", "refused": "refused", "oom": "OOM"}
@@ -20,73 +21,74 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
-def _cell_text(cell: dict) -> str:
-    if cell["status"] != "ok":
-        return f"**{STATUS_MARK[cell['status']]}** ({cell.get('stage')})"
-    ratio = cell.get("perplexity_ratio")
+def _cell_text(cell: CellResult) -> str:
+    if cell.status != "ok":
+        return f"**{STATUS_MARK[cell.status]}** ({cell.stage})"
+    measured = cell.measured
+    ratio = measured.perplexity_ratio
     return " / ".join([
-        f"{_fmt(cell.get('delegated_percent'))} %", f"{_fmt(cell.get('pte_mb'))} MB",
-        f"{_fmt(cell.get('export_s'))} s", f"{_fmt((cell.get('peak_rss_mb') or 0) / 1024 or None, 2)} GiB",
+        f"{_fmt(measured.delegated_percent)} %", f"{_fmt(measured.pte_mb)} MB",
+        f"{_fmt(measured.export_s)} s", f"{_fmt((measured.peak_rss_mb or 0) / 1024 or None, 2)} GiB",
         _decode_text(cell),
         f"ppl x{ratio:.3f}" if ratio is not None else ("ppl: needs real weights"
-                                                        if cell.get("fidelity") == "needs real weights" else "ppl –"),
+                                                        if measured.fidelity == NEEDS_REAL_WEIGHTS else "ppl –"),
     ])
 
 
-def _decode_text(cell: dict) -> str:
+def _decode_text(cell: CellResult) -> str:
     """Decode speed with the engine that produced it; an export-only cell has none."""
-    if cell.get("export_only"):
+    if cell.export_only:
         return "export only"
-    if cell.get("decode_tokens_per_s") is None:
+    if cell.measured.decode_tokens_per_s is None:
         return "– tok/s"
-    return f"{_fmt(cell['decode_tokens_per_s'])} tok/s ({cell.get('engine')})"
+    return f"{_fmt(cell.measured.decode_tokens_per_s)} tok/s ({cell.measured.engine})"
 
 
-def backend_tables(cells: list[dict]) -> list[str]:
+def backend_tables(cells: list[CellResult]) -> list[str]:
     lines = []
-    for backend in sorted({c["backend"] for c in cells}):
-        mine = [c for c in cells if c["backend"] == backend]
-        recipes = sorted({c["recipe"] for c in mine})
-        models = list(dict.fromkeys(c["model"] for c in mine))
+    for backend in sorted({c.backend for c in cells}):
+        mine = [c for c in cells if c.backend == backend]
+        recipes = sorted({c.recipe for c in mine})
+        models = list(dict.fromkeys(c.model for c in mine))
         lines += [f"### {backend}", "", "| model | " + " | ".join(recipes) + " |",
                   "|---|" + "---|" * len(recipes)]
         for model in models:
-            row = {r: preferred_cell([c for c in mine if c["model"] == model and c["recipe"] == r]) for r in recipes
-                   if any(c["model"] == model and c["recipe"] == r for c in mine)}
+            row = {r: preferred_cell([c for c in mine if c.model == model and c.recipe == r]) for r in recipes
+                   if any(c.model == model and c.recipe == r for c in mine)}
             lines.append(f"| {model} | " + " | ".join(_cell_text(row[r]) if r in row else "not run" for r in recipes)
                          + " |")
         lines.append("")
     return lines
 
 
-def reasons(cells: list[dict]) -> list[str]:
-    bad = [c for c in cells if c["status"] != "ok"]
+def reasons(cells: list[CellResult]) -> list[str]:
+    bad = [c for c in cells if c.status != "ok"]
     if not bad:
         return []
     lines = ["## Why a cell did not finish", ""]
     for c in bad:
-        lines.append(f"- {c['model']} × {c['recipe']}: {STATUS_MARK[c['status']]} at {c.get('stage')}: "
-                     f"{(c.get('reason') or '').splitlines()[0][:300]}")
+        lines.append(f"- {c.model} × {c.recipe}: {STATUS_MARK[c.status]} at {c.stage}: "
+                     f"{(c.reason or '').splitlines()[0][:300]}")
     return lines + [""]
 
 
-def readme_text(document: dict, scaling: bool = False) -> str:
-    cells = document["cells"]
-    weights = sorted({c["weights"] for c in cells})
+def readme_text(document: ZooResults, scaling: bool = False) -> str:
+    cells = document.cells
+    weights = sorted({c.weights for c in cells})
     # cells measured at different times may differ in CPU and package versions: name every one that occurs
-    versions = {k: ", ".join(sorted({str(c["versions"].get(k)) for c in cells if c.get("versions")}))
-                for k in (cells[0]["versions"] if cells else {})}
-    dates = sorted({c["date"] for c in cells})
-    cpus = ", ".join(sorted({c.get("cpu") or document["cpu"] for c in cells}) or [document["cpu"]])
+    versions = {k: ", ".join(sorted({str(c.versions.get(k)) for c in cells if c.versions}))
+                for k in (cells[0].versions if cells else {})}
+    dates = sorted({c.date for c in cells})
+    cpus = ", ".join(sorted({c.cpu or document.cpu for c in cells}) or [document.cpu])
     return "\n".join([
         "# Lowerbench zoo: measured recipes per Llama model", "",
         "Generated by `python -m zoo matrix` from `results.json`; do not edit by hand.", "",
-        f"Measured {', '.join(dates)} on {cpus} ({document['cores']} cores), "
+        f"Measured {', '.join(dates)} on {cpus} ({document.cores} cores), "
         + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "Each cell: delegated % / .pte MB / export s / peak RSS / decode tok/s and the engine that produced it "
         "(`executorch-llm-runner` and `executorch-runtime` ran the `.pte`; `eager-*` ran the same quantized model in "
         "PyTorch where the `.pte` cannot run here) / perplexity ratio against fp32 eager. "
-        f"Max context {', '.join(str(n) for n in sorted({c['max_seq_len'] for c in cells}))}.",
+        f"Max context {', '.join(str(n) for n in sorted({c.max_seq_len for c in cells}))}.",
         f"Weights: {'; '.join(weights)}. Delegation, size, export time and memory do not depend on the weights' "
         "values; perplexity does, so random-weight cells say \"needs real weights\".", "",
         "![status heatmap](heatmap.png)", "",
@@ -96,7 +98,7 @@ def readme_text(document: dict, scaling: bool = False) -> str:
     ]) + "\n"
 
 
-def write_heatmap(cells: list[dict], path: Path) -> None:
+def write_heatmap(cells: list[CellResult], path: Path) -> None:
     """Models x recipes: colour = delegated % of finished cells; failures, refusals and OOM kills marked."""
     import matplotlib
 
@@ -104,20 +106,20 @@ def write_heatmap(cells: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    models = list(dict.fromkeys(c["model"] for c in cells))
-    recipes = sorted({c["recipe"] for c in cells}, key=lambda r: (r.split("-")[0], r))
+    models = list(dict.fromkeys(c.model for c in cells))
+    recipes = sorted({c.recipe for c in cells}, key=lambda r: (r.split("-")[0], r))
     grid = np.full((len(models), len(recipes)), np.nan)
     fig, ax = plt.subplots(figsize=(1.3 * len(recipes) + 3, 0.55 * len(models) + 1.8))
-    shown = [preferred_cell([c for c in cells if (c["model"], c["recipe"]) == key])
-             for key in dict.fromkeys((c["model"], c["recipe"]) for c in cells)]
+    shown = [preferred_cell([c for c in cells if (c.model, c.recipe) == key])
+             for key in dict.fromkeys((c.model, c.recipe) for c in cells)]
     for cell in shown:
-        i, j = models.index(cell["model"]), recipes.index(cell["recipe"])
-        if cell["status"] == "ok":
-            grid[i, j] = cell.get("delegated_percent") or 0
-            label = f"{_fmt(cell.get('pte_mb'), 0)} MB"
+        i, j = models.index(cell.model), recipes.index(cell.recipe)
+        if cell.status == "ok":
+            grid[i, j] = cell.measured.delegated_percent or 0
+            label = f"{_fmt(cell.measured.pte_mb, 0)} MB"
         else:
-            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color=STATUS_COLOUR[cell["status"]], zorder=2))
-            label = STATUS_MARK[cell["status"]]
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color=STATUS_COLOUR[cell.status], zorder=2))
+            label = STATUS_MARK[cell.status]
         ax.text(j, i, label, ha="center", va="center", fontsize=7, zorder=3)
     image = ax.imshow(np.ma.masked_invalid(grid), cmap="Greens", vmin=0, vmax=100, aspect="auto")
     ax.set_facecolor("#f4f4f4")  # not run
@@ -128,12 +130,12 @@ def write_heatmap(cells: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def write_readme(document: dict, folder: Path) -> None:
+def write_readme(document: ZooResults, folder: Path) -> None:
     entries = load_entries()  # a matrix may also run entries from elsewhere: those have no size here
-    series = scaling_series(document["cells"], lambda model: parameter_count(entries[model].llama_config())
+    series = scaling_series(document.cells, lambda model: parameter_count(entries[model].llama_config())
                             if model in entries else None)
     write_atomically(Path(folder) / "README.md", readme_text(document, scaling=bool(series)).encode())
-    if document["cells"]:
-        write_heatmap(document["cells"], Path(folder) / "heatmap.png")
+    if document.cells:
+        write_heatmap(document.cells, Path(folder) / "heatmap.png")
     if series:
         write_scaling_plot(series, Path(folder) / "scaling.png")

@@ -1,5 +1,5 @@
 """How long a job will take, stage by stage, from the zoo's measured cells (passed in as data: the path of a
-results.json, by default the zoo's own).
+results.json, by default the zoo's own, or its cells as a list of their JSON objects).
 
 A cell is one recipe's job on one model, measured alone on its host, with each stage's seconds (its report's
 timings) and its host's speed (recipes/estimates/host_speed.py). A stage's seconds are fitted as a power law of the model's
@@ -133,11 +133,14 @@ def _version(path: Path) -> tuple[str, int]:
 
 @functools.lru_cache(maxsize=4)
 def _samples(path: str, _mtime_ns: int) -> tuple[Sample, ...]:
-    """The finished cells that measured their stages alone."""
+    return samples_of(json.loads(Path(path).read_text())["cells"] if Path(path).is_file() else [])
+
+
+def samples_of(cells: list[dict]) -> tuple[Sample, ...]:
+    """The finished cells (results.json's JSON objects) that measured their stages alone."""
     from recipes.registry import load_backends  # loads torch: zoo/matrix.py imports this module torch-free
 
     recipes = load_backends().recipes
-    cells = json.loads(Path(path).read_text())["cells"] if Path(path).is_file() else []
     found = []
     for cell in cells:
         speed = HostSpeed.from_dict(cell.get("host_speed"))
@@ -191,9 +194,13 @@ def _fit(cells: list[Sample], stage: str, group: tuple, widest: bool) -> Fit | N
 @functools.lru_cache(maxsize=512)
 def stage_fit(stage: str, backend: str, scheme: str, algorithm: str | None, export_only: bool,
               path: str, _mtime_ns: int) -> Fit | None:
+    return fit_stage(_samples(path, _mtime_ns), stage, backend, scheme, algorithm, export_only)
+
+
+def fit_stage(cells: tuple[Sample, ...], stage: str, backend: str, scheme: str, algorithm: str | None,
+              export_only: bool) -> Fit | None:
     """The stage's fit for a recipe like this, from the narrowest group of cells that measured two sizes."""
     wanted = {"backend": backend, "scheme": scheme, "algorithm": algorithm, "export_only": export_only}
-    cells = _samples(path, _mtime_ns)
     groupings = GROUPINGS[stage]
     for index, grouping in enumerate(groupings):
         chosen = [c for c in cells if all(getattr(c, key) == wanted[key] for key in grouping)]
@@ -204,13 +211,15 @@ def stage_fit(stage: str, backend: str, scheme: str, algorithm: str | None, expo
 
 
 def estimate_time(params: int, recipes: list, options: dict, generate: bool, speed: HostSpeed,
-                  path: Path = ZOO_RESULTS) -> JobTime:
+                  path: Path = ZOO_RESULTS, cells: list[dict] | None = None) -> JobTime:
     """Seconds of running `recipes` (registry Recipes, one after another) on a model of `params` parameters, on a
-    host of `speed`. options: recipe name -> its options (the algorithm among them)."""
-    key = _version(Path(path))
-    cells = _samples(*key)
-    if not cells:
-        raise ValueError(f"{path} has no cell measured alone with its stages; the time estimate needs some.")
+    host of `speed`. options: recipe name -> its options (the algorithm among them). The rates come from the
+    results.json at `path`, or from `cells` (its cells' JSON objects, e.g. some of them) when given."""
+    key = _version(Path(path)) if cells is None else None  # a file's fits are cached, by its version
+    samples = _samples(*key) if key else samples_of(cells)
+    if not samples:
+        raise ValueError(f"{path if cells is None else 'the cells given'} has no cell measured alone with its stages; "
+                         "the time estimate needs some.")
     used: list[Fit] = []
     notes: list[str] = []
 
@@ -218,7 +227,8 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, spe
         backend = recipe.backend.name if recipe else ""
         scheme = recipe.quantization if recipe else ""
         algorithm = options.get(recipe.name, {}).get("quant_algorithm") if recipe else None
-        fit = stage_fit(stage, backend, scheme, algorithm, not generate, *key)
+        wanted = (stage, backend, scheme, algorithm, not generate)
+        fit = stage_fit(*wanted, *key) if key else fit_stage(samples, *wanted)
         if fit is None:
             return None
         used.append(fit)
@@ -240,10 +250,10 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, spe
     if not smallest <= params <= largest:
         notes.append(f"a {size_label(params)} model is outside the {size_label(smallest)}–{size_label(largest)} "
                      "the cells measured: extrapolated")
-    hosts = sorted({(c.cpu, c.cores) for c in cells})
-    dates = sorted(c.date for c in cells if c.date)
+    hosts = sorted({(c.cpu, c.cores) for c in samples})
+    dates = sorted(c.date for c in samples if c.date)
     rates_from = "; ".join(f"{cpu}, {cores} cores" for cpu, cores in hosts) + (f" ({dates[0]} to {dates[-1]})"
                                                                                if dates else "")
-    reference = sorted(c.speed.python_mops for c in cells)[len(cells) // 2]
+    reference = sorted(c.speed.python_mops for c in samples)[len(samples) // 2]
     return JobTime(shared, per_recipe, smallest, largest, rates_from, speed.python_mops / reference,
                    list(dict.fromkeys(notes)))

@@ -84,7 +84,7 @@ def op_rows(summary: JobSummary) -> list[dict]:
     rows = []
     for report in summary.recipes:
         for op in report.delegation.ops if report.delegation else []:
-            rows.append({"backend": report.recipe.backend, "recipe": report.recipe.name, **op})
+            rows.append({"backend": report.recipe.backend, "recipe": report.recipe.name, **op.to_dict()})
     return rows
 
 

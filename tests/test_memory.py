@@ -361,7 +361,7 @@ def test_nothing_keeps_a_lowered_program_once_its_pte_is_written(tiny_checkpoint
     apply_scheme(module, recipe.quantization, algorithm="hqq")
     program = export_program(module, options.max_seq_len, strict=recipe.backend.strict_export)
     lowered = lower_for_backend(program, recipe, {}, Lowering(pte_path=tmp_path / "model.pte", consume_program=True))
-    assert lowered.delegation["delegated_subgraphs"] > 1
+    assert lowered.delegation.delegated_subgraphs > 1
     del program
     assert lowered_modules() - before == set()
 

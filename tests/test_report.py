@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.output.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
-                            StageError, load_report)
+from recipes.output.report import (DelegatedOp, Fidelity, Generation, JobSummary, LayerError, LayerMap, OpRow,
+                                   Quantization, RecipeEstimate, Report, RunnerGeneration, StageError, load_report)
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_REPORTS = sorted(DATA.glob("report_*.json"))
@@ -31,11 +31,15 @@ def test_old_reports_are_read_into_typed_sections():
     assert fp32.fidelity.heldout.top1_agreement_percent == 100.0 and fp32.fidelity.layers is None
     assert [type(g) for g in fp32.generations] == [Generation, Generation] and fp32.profile is None
     assert fp32.memory.estimate.eval_tokens and fp32.llm_metadata.get_eos_ids == [2]
+    assert fp32.delegation.ops[0] == DelegatedOp("getitem", 0, 16, before_partitioning=10)
+    assert fp32.memory.estimate.recipe_row("xnnpack-fp32") == fp32.memory.estimate.recipes[0]
+    assert isinstance(fp32.memory.estimate.recipes[0], RecipeEstimate) and fp32.memory.estimate.recipes[0].stages
 
     mixed = load_report(DATA / "report_xnnpack_8da4w_mixed_profiled.json")
     assert mixed.quantization.calibration.tokens == 512 and mixed.quantization.mixed_precision.units_8bit
     assert mixed.fidelity.layers.engine == "executorch-runtime" and mixed.fidelity.layers.error is None
     assert isinstance(mixed.profile.decode.ops[0], OpRow) and mixed.profile.files.etrecord == "etrecord.bin"
+    assert mixed.fidelity.layers.layers[:2] == [LayerError(0, 22.21, 0.07756), LayerError(1, 19.17, 0.11)]
 
     qnn = load_report(DATA / "report_qnn_8a8w_layer_map_error.json")
     assert qnn.fidelity.perplexity > 0 and qnn.fidelity.layers.error.stage == "layer_map"

@@ -11,7 +11,7 @@ import torch
 from quant.layer_error import eager_layer_outputs, in_reference_basis, layer_errors
 from recipes.running.generate import load_runtime_method
 from recipes.lowering.lower import Lowering, export_program, lower_for_backend
-from recipes.output.report import LayerMap, Report
+from recipes.output.report import LayerError, LayerMap, Report
 
 
 def windows_of(ids: list[int], max_seq_len: int) -> list[torch.Tensor]:
@@ -52,7 +52,7 @@ def runtime_layer_outputs(module, recipe, options: dict, windows: list[torch.Ten
 
 def layer_map(engine: str, module, recipe, options: dict, reference: list[torch.Tensor],
               windows: list[torch.Tensor], max_seq_len: int, on_runtime: bool) -> LayerMap:
-    """fidelity.layers: the engine, how the outputs were read, and rows {layer, sqnr_db, relative_error}."""
+    """fidelity.layers: the engine, how the outputs were read, and each decoder layer's error."""
     if on_runtime:
         outputs = runtime_layer_outputs(module, recipe, options, windows, max_seq_len)
         method = "ExecuTorch intermediate_output_tap on the lowered program, run on the runtime"
@@ -61,7 +61,8 @@ def layer_map(engine: str, module, recipe, options: dict, reference: list[torch.
     else:
         outputs = eager_layer_outputs(module, windows)
         method = "eager forward hooks on the quantized module"
-    return LayerMap(engine=engine, method=method, layers=layer_errors(reference, outputs))
+    return LayerMap(engine=engine, method=method,
+                    layers=[LayerError.from_dict(row, strict=True) for row in layer_errors(reference, outputs)])
 
 
 def sqnr_chart_rows(reports: list[Report]) -> list[dict]:
@@ -70,6 +71,6 @@ def sqnr_chart_rows(reports: list[Report]) -> list[dict]:
     rows = []
     for report in reports:
         found = report.fidelity.layers if report.fidelity else None
-        rows += [{"recipe": report.recipe.name, "layer": row["layer"], "sqnr_db": row["sqnr_db"]}
-                 for row in (found.layers if found else []) if row["sqnr_db"] is not None]
+        rows += [{"recipe": report.recipe.name, "layer": row.layer, "sqnr_db": row.sqnr_db}
+                 for row in (found.layers if found else []) if row.sqnr_db is not None]
     return rows

@@ -232,14 +232,24 @@ class LlmMetadata(Section):
 
 
 @dataclass
+class DelegatedOp(Section):
+    """delegation.ops[]: one edge op type, its nodes inside and outside the backend's partitions."""
+    op: str | None = None  # the edge op, e.g. aten_linear_default
+    delegated: int | None = None
+    non_delegated: int | None = None
+    before_partitioning: int | None = None  # its nodes in the edge graph before partitioning; None: not recorded
+    # for an op left outside: the partitioners' log records naming it, [{source, reason}]
+    why_not_delegated: list[dict] = field(default_factory=list)
+
+
+@dataclass
 class Delegation(Section):
     """delegation: how much of the lowered graph its backend took (recipes/lowering/delegation.py)."""
     delegated_subgraphs: int | None = None
     delegated_nodes: int | None = None
     non_delegated_nodes: int | None = None
     delegated_percent: float | None = None
-    # rows {op, delegated, non_delegated, before_partitioning, why_not_delegated}
-    ops: list[dict] = field(default_factory=list)
+    ops: list[DelegatedOp] = section(_loader(DelegatedOp), many=True)  # the ops left outside first
     engine: str | None = None
     edge_nodes_before_partitioning: int | None = None
     preserved_ops: dict[str, list[str]] = field(default_factory=dict)  # partitioner -> ops kept from decomposition
@@ -338,12 +348,20 @@ class Heldout(Section):
 
 
 @dataclass
+class LayerError(Section):
+    """fidelity.layers.layers[]: one decoder layer's output against the reference's (quant/layer_error.py)."""
+    layer: int | None = None
+    sqnr_db: float | None = None  # None where the outputs are equal (an infinite SQNR)
+    relative_error: float | None = None
+
+
+@dataclass
 class LayerMap(Section):
     """fidelity.layers: each decoder layer's error against the reference (recipes/evaluation/layer_map.py), or the error
     that stopped the map, alone under `error`."""
     engine: str | None = None
     method: str | None = None
-    layers: list[dict] = field(default_factory=list)  # rows {layer, sqnr_db, relative_error}
+    layers: list[LayerError] = section(_loader(LayerError), many=True)
     error: StageError | None = optional(load=_loader(StageError))
 
     def to_dict(self) -> dict:
@@ -426,6 +444,15 @@ class Profile(Section):
 
 
 @dataclass
+class RecipeEstimate(Section):
+    """memory.estimate.recipes[]: one recipe's share of the job's estimate."""
+    recipe: str | None = None
+    peak_rss_bytes: int | None = None
+    stages: dict[str, int] = field(default_factory=dict)  # stage -> peak RSS of the process during it
+    pte_bytes: int | None = None  # its .pte (and .ptd)
+
+
+@dataclass
 class MemoryEstimate(Section):
     """memory.estimate: the job's estimate, made before any weight was read (recipes/estimates/memory_estimate.py)."""
     peak_rss_bytes: int | None = None
@@ -433,11 +460,14 @@ class MemoryEstimate(Section):
     checkpoint_bytes: int | None = None
     reference_dtype: str | None = None
     stages: dict[str, int] = field(default_factory=dict)
-    recipes: list[dict] = field(default_factory=list)  # rows {recipe, peak_rss_bytes, stages, pte_bytes}
+    recipes: list[RecipeEstimate] = section(_loader(RecipeEstimate), many=True)
     reference_weight_dtype: str | None = None
     eval_tokens: list[int] | None = None
     peak_stage: str | None = None
     reference_layer_major: bool | None = optional()  # the fp32 reference scored one unit at a time, no generation
+
+    def recipe_row(self, name: str) -> RecipeEstimate | None:
+        return next((row for row in self.recipes if row.recipe == name), None)
 
 
 @dataclass

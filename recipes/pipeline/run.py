@@ -36,7 +36,7 @@ from recipes.lowering.lower import LoweredProgram, Lowering, OutputWriteError, l
 from recipes.pipeline.prepare import Prepared, prepare
 from recipes.files.pte_program import PTD_NAME, PTE_NAME
 from recipes.registry import Recipe, backend_packages, get_recipe
-from recipes.output.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
+from recipes.output.report import (Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
                             MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, TimeEstimate,
                             package_versions)
 from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, recipe_options,
@@ -268,7 +268,7 @@ def _lower(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_la
         # runtime's load of the .pte instead of adding to it.
         gc.collect()
         malloc_policy.trim_freed_heap()
-        report.delegation = Delegation.from_dict(lowered.delegation, strict=True)
+        report.delegation = lowered.delegation
     except (Cancelled, OutputWriteError):
         raise
     except Exception as err:  # a failing backend must not take the other recipes down; the report says why

@@ -11,6 +11,7 @@ import argparse
 import html
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # Only modules that leave torch unloaded are imported here: main() must call thread_policy.limit_openmp_default()
@@ -84,7 +85,7 @@ def op_rows(summary: JobSummary) -> list[dict]:
     rows = []
     for report in summary.recipes:
         for op in report.delegation.ops if report.delegation else []:
-            rows.append({"backend": report.recipe.backend, "recipe": report.recipe.name, **op})
+            rows.append({"backend": report.recipe.backend, "recipe": report.recipe.name, **op.to_dict()})
     return rows
 
 
@@ -418,69 +419,79 @@ def hub_suggestions(hub_repo, token, note) -> None:
                     api_visibility="private")
 
 
-def job_cost_text(source: str, hub_repo: str, revision: str, local_path: str, token: str, recipe_names: list[str],
-                  options: dict, max_seq_len: int, export_only: bool) -> str:
+@dataclass(frozen=True)
+class ModelFields:
+    """The form's model fields, as typed: where the checkpoint comes from (choose_model), its revision, the token."""
+    source: str
+    hub_repo: str = ""
+    revision: str = ""
+    local_path: str = ""
+    token: str = ""
+
+
+def job_cost_text(model_fields: ModelFields, recipe_names: list[str], options: dict, max_seq_len: int,
+                  export_only: bool) -> str:
     """What the job on the form would cost (memory, disk, time) and whether it would be refused, in Markdown."""
     from huggingface_hub import constants
 
     # loads torch, which main() lets load only after the thread policy is set
     from models.sources.model_config import hub_weights_cached, model_config
-    from recipes.estimates.job_cost import check_recipe_options, job_cost, recipe_options_for
-    from recipes.estimates.host_speed import host_speed
+    from recipes.estimates.job_cost import job_cost
     from recipes.registry import get_recipe
-    from recipes.estimates.time_estimate import estimate_time
+    from recipes.request import check_recipe_options, recipe_options
 
     if not recipe_names:
         return "Tick at least one recipe to see what the job will cost."
     try:
-        model = choose_model(source, hub_repo, local_path)
-        revision, token = (revision or "").strip() or None, (token or "").strip() or None
-        config = model_config(model, revision, token)
+        model = choose_model(model_fields.source, model_fields.hub_repo, model_fields.local_path)
+        revision = (model_fields.revision or "").strip() or None
+        config = model_config(model, revision, (model_fields.token or "").strip() or None)
         recipes = [get_recipe(name) for name in recipe_names]
-        per_recipe = recipe_options_for(recipes, options)
-        check_recipe_options(recipes, per_recipe)
-        downloads = source == HUB and not hub_weights_cached(model, revision)
+        per_recipe = {recipe.name: recipe_options(recipe, options) for recipe in recipes}
+        for recipe in recipes:
+            check_recipe_options(recipe, per_recipe[recipe.name])
+        downloads = model_fields.source == HUB and not hub_weights_cached(model, revision)
         cost = job_cost(config, recipes, per_recipe, int(max_seq_len), not export_only, jobs_root(),
                         Path(constants.HF_HUB_CACHE) if downloads else None)
-        duration = estimate_time(cost.parameters, recipes, per_recipe, not export_only, host_speed())
     except UserFacingError as err:
         return f"**No estimate yet**: {err}"
-    except ValueError as err:  # no zoo cell to time it from: the rest of the estimate still shows
-        return cost_markdown(cost, None, len(recipes), export_only) + f"\n- Time: no estimate ({err})."
-    return cost_markdown(cost, duration, len(recipes), export_only)
+    return cost_markdown(cost, export_only)
 
 
-def cost_markdown(cost, duration, recipes: int, export_only: bool) -> str:
-    """The estimate's lines: a refusal first, then memory, disk and time (none without a duration)."""
+def cost_markdown(cost, export_only: bool) -> str:
+    """The estimate's lines: a refusal first, then memory, disk and time (why not, without a time estimate)."""
     # loads torch, which main() lets load only after the thread policy is set
     from recipes.estimates.time_estimate import duration_label, size_label
 
     gb = 1e9
+    estimate = cost.estimate
     kind = "export-only job" if export_only else "full job"
+    recipes = len(estimate.recipes)
     lines = [f"**Estimate before you press Lower**: {size_label(cost.parameters)} parameters, {recipes} "
              f"recipe{'s' if recipes > 1 else ''}, {kind}."]
     if cost.refusal:
         lines.append(f"**This job would be refused**: {cost.refusal}")
     fits = "fits in" if cost.refusal is None else "more than"
-    lines.append(f"- Memory: about {cost.peak_bytes / gb:.1f} GB at its peak ({cost.peak_stage}); {fits} "
-                 f"{cost.budget_where}.")
-    disk = f"{bytes_label(cost.output_bytes)} of .pte files ({cost.output_free_bytes / gb:.0f} GB free)"
+    lines.append(f"- Memory: about {estimate.peak_rss_bytes / gb:.1f} GB at its peak ({estimate.peak_stage}); "
+                 f"{fits} {cost.budget_where}.")
+    disk = f"{bytes_label(estimate.disk_bytes)} of .pte files ({cost.output_free_bytes / gb:.0f} GB free)"
     if cost.download_bytes:
         disk = (f"{bytes_label(cost.download_bytes)} to download into the Hugging Face cache "
                 f"({cost.download_free_bytes / gb:.0f} GB free), then " + disk)
-    short = (cost.download_bytes > (cost.download_free_bytes or 0) or cost.output_bytes > cost.output_free_bytes)
+    short = (cost.download_bytes > (cost.download_free_bytes or 0) or estimate.disk_bytes > cost.output_free_bytes)
     lines.append(f"- Disk: {disk}" + ("; **not enough free disk**." if short else "."))
-    if duration is None:
-        return "\n".join(lines)
-    parts = {part: sum(r.part(part) for r in duration.recipes) for part in ("export", "lower", "other")}
+    if cost.time_unknown is not None:
+        return "\n".join([*lines, f"- Time: no estimate ({cost.time_unknown})."])
+    times = [row.time for row in estimate.recipes]
+    parts = {part: sum(getattr(time, part) for time in times) for part in ("export", "lower", "other")}
     rest = "quantizing" if export_only else "quantizing, generating and scoring"
     shared = "loading" if export_only else "loading and the fp32 reference"
-    lines.append(f"- Time: about {duration_label(duration.seconds)} ({shared} {duration_label(duration.shared_s)}, "
+    fit = times[0]  # the shared stages and the cells behind the rates are the job's, the same for every recipe
+    lines.append(f"- Time: about {duration_label(estimate.seconds)} ({shared} {duration_label(fit.shared)}, "
                  f"export {duration_label(parts['export'])}, lowering {duration_label(parts['lower'])}, {rest} "
-                 f"{duration_label(parts['other'])}); rates fitted on zoo cells of "
-                 f"{size_label(duration.smallest)}–{size_label(duration.largest)} measured on {duration.rates_from}, "
-                 f"scaled to this host's speed ({duration.speed:.2f}× theirs).")
-    lines += [f"  - {note}." for note in duration.notes]
+                 f"{duration_label(parts['other'])}); rates fitted on zoo cells of {fit.fitted_on} measured on "
+                 f"{fit.rates_from}, scaled to this host's speed ({fit.host_speed:.2f}× theirs).")
+    lines += [f"  - {note}." for note in estimate.time_notes]
     return "\n".join(lines)
 
 
@@ -491,11 +502,10 @@ def bytes_label(count: int) -> str:
     return f"{count / 1e6:.0f} MB" if count >= 1e6 else f"{count / 1e6:.2f} MB"
 
 
-def cost_panel(ticked, choice_inputs: list, source, hub_repo, revision, local_path, token, max_seq_len, group_size,
-               export_only):
+def cost_panel(ticked, choice_inputs: list, model_inputs: list, max_seq_len, group_size, export_only):
     """The job's estimate, shown when the page loads and again whenever the model, the ticked recipes or the
     settings change. `ticked` turns the choice inputs (recipe lists, backend options, algorithm, budget, KV cache) into
-    (recipe names, options) as the Lower button does."""
+    (recipe names, options) as the Lower button does; model_inputs are the fields of ModelFields, in its order."""
     import gradio as gr
 
     # loads torch, which main() lets load only after the thread policy is set
@@ -503,11 +513,11 @@ def cost_panel(ticked, choice_inputs: list, source, hub_repo, revision, local_pa
 
     def cost(source_, hub_repo_, revision_, local_path_, token_, max_seq_len_, group_size_, export_only_, *choices):
         names, options = ticked(*choices)
-        return job_cost_text(source_, hub_repo_, revision_, local_path_, token_, names,
+        return job_cost_text(ModelFields(source_, hub_repo_, revision_, local_path_, token_), names,
                              {**options, **user_options(group_size_)}, max_seq_len_ or 16, bool(export_only_))
 
-    return gr.Markdown(cost, inputs=[source, hub_repo, revision, local_path, token, max_seq_len, group_size,
-                                     export_only, *choice_inputs], elem_id="job-cost")
+    return gr.Markdown(cost, inputs=[*model_inputs, max_seq_len, group_size, export_only, *choice_inputs],
+                       elem_id="job-cost")
 
 
 def build_app():
@@ -638,8 +648,8 @@ def lower_page() -> dict:
             options_box = gr.JSON(picked_options, visible=False)
             prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt")
             max_new_tokens = gr.Slider(1, 256, 32, step=1, label="Max new tokens")
-            cost_panel(ticked, choices, source, hub_repo, revision,
-                       local_path, token, max_seq_len, group_size, export_only)
+            cost_panel(ticked, choices, [source, hub_repo, revision, local_path, token], max_seq_len, group_size,
+                       export_only)
             with gr.Row():
                 lower_btn = gr.Button("Lower", variant="primary")
                 cancel_btn = gr.Button("Cancel", variant="stop")

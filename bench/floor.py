@@ -43,6 +43,7 @@ from quant.schemes import quantize_linears_8da4w  # noqa: E402
 from recipes.backends.xnnpack import BACKEND, xnnpack_partitioners  # noqa: E402
 from recipes.running.generate import load_runtime_method  # noqa: E402
 from recipes.lowering.lower import Lowering, lower_to_pte  # noqa: E402
+from recipes.output.report import Delegation  # noqa: E402
 
 
 HIDDEN = 576  # SmolLM2-135M's hidden size, so the probes' linears have its shapes
@@ -180,7 +181,7 @@ def _lower(module: nn.Module, quantize: bool):
     with torch.no_grad():
         program = torch.export.export(module, (torch.randn(1, 2, HIDDEN),), dynamic_shapes=({1: tokens},), strict=False)
     lowered = lower_to_pte(program, xnnpack_partitioners({}), Lowering(lowering_context=BACKEND.lowering_context))
-    if lowered.delegation["non_delegated_nodes"] > len(program.graph_signature.user_outputs) + 1:
+    if lowered.delegation.non_delegated_nodes > len(program.graph_signature.user_outputs) + 1:
         raise RuntimeError(f"probe {type(module).__name__} left work outside XNNPACK: {lowered.delegation}")
     return load_runtime_method(lowered.pte)
 
@@ -242,18 +243,18 @@ def measure(rounds: int, threads: int, calls: int = 20) -> dict:
     }
 
 
-def delegated_work(delegation: dict) -> dict:
+def delegated_work(delegation: Delegation) -> dict:
     """A lowered program's delegated work per call, from its delegation table (recipes/lowering/delegation.py).
     torchao quantizes each linear's input on its own, so there is one choose_qparams per quantized linear.
     Its weights' dequantize folds into the linear and the input's choose_qparams + quantize + dequantize into
     one convert, which the probes' cost per linear includes. Every other op, an fp32 linear too, counts at
     the cost of a small elementwise op, so the floor stays a lower bound."""
-    delegated = {row["op"]: row["delegated"] for row in delegation["ops"]}
+    delegated = {row.op: row.delegated for row in delegation.ops}
     quantized = delegated.get("torchao_choose_qparams_affine_default", 0)
     folded = sum(delegated.get(op, 0) for op in ("getitem", "torchao_dequantize_affine_default",
                                                  "torchao_choose_qparams_affine_default",
                                                  "torchao_quantize_affine_default"))
-    return {"quantized_linears": quantized, "other_ops": delegation["delegated_nodes"] - folded - quantized}
+    return {"quantized_linears": quantized, "other_ops": delegation.delegated_nodes - folded - quantized}
 
 
 def floor_ms(costs: dict, weight_bytes: int, work: dict) -> float:

@@ -111,10 +111,15 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         raise UserFacingError(f"{', '.join(unknown)}: no recipe takes this option; the recipes' options: "
                               f"{', '.join(sorted(known))} (`python -m recipes list` shows which recipe takes which).")
     for recipe in recipes:
-        options = recipe_options(recipe, request.options)
-        check_group_size(recipe.quantization, options.get("group_size"))
-        check_options(recipe.quantization, options)
-        recipe.backend.check_options(options)
+        check_recipe_options(recipe, recipe_options(recipe, request.options))
+
+
+def check_recipe_options(recipe: Recipe, options: dict) -> None:
+    """Refuses, before anything is loaded, what the recipe's options (resolved: recipe_options) cannot be: a group
+    size or algorithm its scheme does not take, a value its backend does not."""
+    check_group_size(recipe.quantization, options.get("group_size"))
+    check_options(recipe.quantization, options)
+    recipe.backend.check_options(options)
 
 
 def check_limits(config, recipes: list[Recipe], max_seq_len: int, options: dict) -> None:

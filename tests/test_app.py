@@ -175,12 +175,12 @@ def test_settings_the_model_cannot_hold_are_refused_before_the_click_and_at_it(a
     the context: the estimate says so on the page, and Lower refuses with the CLI's message, writing nothing."""
     from gradio_client import Client
 
-    from app import job_cost_text
+    from app import LOCAL, ModelFields, job_cost_text
 
-    panel = job_cost_text("Local path", "", "", str(tiny_llama_dir), "", ["xnnpack-8da4w"], {"kv_cache_window": 2044},
-                          64, False)
+    folder = ModelFields(LOCAL, local_path=str(tiny_llama_dir))
+    panel = job_cost_text(folder, ["xnnpack-8da4w"], {"kv_cache_window": 2044}, 64, False)
     assert "This job would be refused**: a KV cache window of 2044 tokens" in panel
-    panel = job_cost_text("Local path", "", "", str(tiny_llama_dir), "", ["xnnpack-8da4w"], {}, 4096, False)
+    panel = job_cost_text(folder, ["xnnpack-8da4w"], {}, 4096, False)
     assert "This job would be refused**: max context 4096 is beyond this model's limit of 2048" in panel
 
     client = Client(app["url"], verbose=False)

@@ -68,18 +68,18 @@ def test_sdpa_slice_module_matches_sdpa(tiny_checkpoint):
 
 def test_unsupported_op_stays_outside_with_its_reason(tiny_coreml_int8_with_acosh):
     table = tiny_coreml_int8_with_acosh.delegation
-    ops = {o["op"]: o for o in table["ops"]}
+    ops = {o.op: o for o in table.ops}
     acosh = ops["aten_acosh_default"]
-    assert acosh["non_delegated"] == 1 and acosh["delegated"] == 0
-    reasons = [r["reason"] for r in acosh["why_not_delegated"]]
+    assert acosh.non_delegated == 1 and acosh.delegated == 0
+    reasons = [r["reason"] for r in acosh.why_not_delegated]
     assert any("not supported by CoreML" in r for r in reasons), reasons
-    assert all(r["source"].startswith("executorch.backends.apple.coreml") for r in acosh["why_not_delegated"])
-    assert ops["aten_linear_default"] == {**ops["aten_linear_default"], "delegated": 15, "non_delegated": 0}
-    assert ops["torchao_dequantize_affine_default"]["non_delegated"] == 0
-    assert ops["aten_scaled_dot_product_attention_default"]["delegated"] == 2
-    assert "aten.scaled_dot_product_attention.default" in table["preserved_ops"]["CoreMLPartitioner"]
-    assert table["edge_nodes_before_partitioning"] == tiny_coreml_int8_with_acosh.edge_nodes_before_partitioning
-    assert ops["aten_linear_default"]["before_partitioning"] == 15
+    assert all(r["source"].startswith("executorch.backends.apple.coreml") for r in acosh.why_not_delegated)
+    assert (ops["aten_linear_default"].delegated, ops["aten_linear_default"].non_delegated) == (15, 0)
+    assert ops["torchao_dequantize_affine_default"].non_delegated == 0
+    assert ops["aten_scaled_dot_product_attention_default"].delegated == 2
+    assert "aten.scaled_dot_product_attention.default" in table.preserved_ops["CoreMLPartitioner"]
+    assert table.edge_nodes_before_partitioning == tiny_coreml_int8_with_acosh.edge_nodes_before_partitioning
+    assert ops["aten_linear_default"].before_partitioning == 15
 
 
 def test_coreml_pte_lists_the_llm_runners_metadata_methods(tiny_coreml_int8_with_acosh):
@@ -122,15 +122,15 @@ def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside
     assert report.quantization.algorithm == "awq" and report.quantization.calibration.tokens > 0
     assert (tmp_path / "model.pte").stat().st_size == report.pte.bytes
     delegation = report.delegation
-    ops = {o["op"]: o for o in delegation.ops}
-    assert ops["aten_linear_default"]["delegated"] == layers * 7 + 1 and ops["aten_linear_default"]["non_delegated"] == 0
+    ops = {o.op: o for o in delegation.ops}
+    assert ops["aten_linear_default"].delegated == layers * 7 + 1 and ops["aten_linear_default"].non_delegated == 0
     sdpa = ops["aten_scaled_dot_product_attention_default"]
-    assert sdpa["delegated"] == layers and sdpa["non_delegated"] == 0
-    assert {o["op"] for o in delegation.ops if o["non_delegated"]} <= IO_GLUE
+    assert sdpa.delegated == layers and sdpa.non_delegated == 0
+    assert {o.op for o in delegation.ops if o.non_delegated} <= IO_GLUE
     assert delegation.non_delegated_nodes <= 2
     assert delegation.edge_nodes_before_partitioning == delegation.delegated_nodes
     assert "aten.scaled_dot_product_attention.default" in delegation.preserved_ops["CoreMLPartitioner"]
-    assert ops["torchao_dequantize_affine_default"]["delegated"] == layers * 7 + 1
+    assert ops["torchao_dequantize_affine_default"].delegated == layers * 7 + 1
     engines = [g.engine for g in report.generations]
     if platform.system() != "Darwin":
         assert engines == ["eager-fp32", "eager-quantized"] and "Apple" in report.runtime_note
@@ -170,7 +170,7 @@ def test_preprocessing_shares_the_weights_and_leaves_them_as_they_were(tiny_chec
     assert not any(outside.state_dict[name] is t for name, t in program.state_dict.items())
 
     lowered = lower_for_backend(program, recipe, recipe.options)
-    assert lowered.delegation["delegated_subgraphs"] == 1
+    assert lowered.delegation.delegated_subgraphs == 1
     assert all(torch.equal(tensor, value) for tensor, value in zip(tensors, values))
 
 

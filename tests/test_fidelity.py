@@ -130,14 +130,14 @@ def test_tiny_run_reports_fidelity_per_recipe(tiny_llama_dir, tmp_path):
         assert heldout.text.startswith("quant/eval_text_heldout.txt") and heldout.positions > 50
         layers = report.fidelity.layers
         assert layers.engine == "executorch-runtime" and "intermediate_output_tap" in layers.method
-        assert [row["layer"] for row in layers.layers] == [0, 1]
+        assert [row.layer for row in layers.layers] == [0, 1]
     fp32 = summary.recipes[0].fidelity
     assert fp32.top1_agreement_percent == 100.0 and fp32.meets_target is True
     assert fp32.mean_kl < 1e-6 and fp32.heldout.top1_agreement_percent == 100.0
     # the .pte's layer outputs, read inside the XNNPACK delegate, are fp32 eager's
-    assert all(row["sqnr_db"] is None or row["sqnr_db"] >= 60 for row in fp32.layers.layers), fp32.layers
+    assert all(row.sqnr_db is None or row.sqnr_db >= 60 for row in fp32.layers.layers), fp32.layers
     int4_layers = summary.recipes[1].fidelity.layers.layers
-    assert all(row["sqnr_db"] < 60 for row in int4_layers), int4_layers
+    assert all(row.sqnr_db < 60 for row in int4_layers), int4_layers
     rows = summary_rows(summary)
     assert rows[1]["perplexity vs fp32 (×)"] == round(summary.recipes[1].fidelity.perplexity_ratio, 3)
     assert rows[1]["held-out (×)"] == round(summary.recipes[1].fidelity.heldout.perplexity_ratio, 3)
@@ -163,7 +163,7 @@ def test_layer_map_of_a_broken_2bit_scheme_is_low(tiny_checkpoint):
     quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(64)),
               filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear))
     broken = layer_map("eager-quantized", "eager forward hooks", reference, eager_layer_outputs(module, windows))
-    assert all(row["sqnr_db"] < 10 and row["relative_error"] > 0.3 for row in broken.layers), broken
+    assert all(row.sqnr_db < 10 and row.relative_error > 0.3 for row in broken.layers), broken
 
 
 def test_sqnr_chart_rows_give_one_line_per_recipe():

@@ -10,8 +10,8 @@ from tests.conftest import GOOD_TOKEN
 
 def cost(source=app.LOCAL, hub_repo="", local_path="", recipes=("xnnpack-8da4w",), max_seq_len=64, export_only=False,
          token="", options=None):
-    return app.job_cost_text(source, hub_repo, "", local_path, token, list(recipes), options or {"group_size": 32},
-                             max_seq_len, export_only)
+    return app.job_cost_text(app.ModelFields(source, hub_repo, "", local_path, token), list(recipes),
+                             options or {"group_size": 32}, max_seq_len, export_only)
 
 
 def test_a_local_folder_gets_memory_disk_and_time_before_the_click(tiny_llama_dir):

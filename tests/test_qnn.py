@@ -175,10 +175,10 @@ def test_tiny_llama_lowers_to_one_qnn_htp_program(tiny_llama_dir, tmp_path):
     options = report.recipe.options
     assert options["soc"] == "SM8650" and options["htp_arch"] == "v75"
     assert options["qnn_libraries"]
-    ops = {o["op"]: o for o in report.delegation.ops}
+    ops = {o.op: o for o in report.delegation.ops}
     # the 15 linears, as 1x1 convolutions
-    assert ops["aten_convolution_default"]["delegated"] == 2 * 7 + 1
-    assert ops["aten_convolution_default"]["non_delegated"] == 0
+    assert ops["aten_convolution_default"].delegated == 2 * 7 + 1
+    assert ops["aten_convolution_default"].non_delegated == 0
     # the layers, KV-cache updates included, are one QNN partition; only position/mask prologue ops stay out
     assert report.delegation.delegated_subgraphs <= 2
     assert "aten_index_put_default" not in ops and "copy_" not in ops
@@ -201,10 +201,10 @@ def test_a_decoder_in_shards_compiles_one_qnn_graph_per_shard_with_every_linear_
     report = summary.recipes[0]
     assert report.errors == [], report.errors
     assert report.recipe.options["layers_per_shard"] == 1
-    ops = {o["op"]: o for o in report.delegation.ops}
-    assert ops["aten_convolution_default"]["delegated"] == 2 * 7 + 1
-    assert ops["aten_convolution_default"]["non_delegated"] == 0
-    assert ops["dim_order_ops__clone_dim_order_default"]["non_delegated"] == 1
+    ops = {o.op: o for o in report.delegation.ops}
+    assert ops["aten_convolution_default"].delegated == 2 * 7 + 1
+    assert ops["aten_convolution_default"].non_delegated == 0
+    assert ops["dim_order_ops__clone_dim_order_default"].non_delegated == 1
     assert "aten_index_put_default" not in ops
     assert report.delegation.delegated_subgraphs == 3
     assert (out / "model.pte").read_bytes().count(b"QnnBackend") >= 3
@@ -234,9 +234,9 @@ def test_block_quantized_linears_wider_than_256_outputs_lower_for_real(wide_llam
                              generate=False))
     report = summary.recipes[0]
     assert report.errors == [], report.errors
-    ops = {o["op"]: o for o in report.delegation.ops}
-    assert ops["aten_convolution_default"]["delegated"] == 7 + 1
-    assert ops["aten_convolution_default"]["non_delegated"] == 0
+    ops = {o.op: o for o in report.delegation.ops}
+    assert ops["aten_convolution_default"].delegated == 7 + 1
+    assert ops["aten_convolution_default"].non_delegated == 0
     assert b"QnnBackend" in (out / "model.pte").read_bytes()
 
 

@@ -195,11 +195,11 @@ def test_new_xnnpack_schemes_lower_and_run(tiny_llama_dir, tmp_path):
         assert report.errors == [], report.errors
         assert [g.engine for g in report.generations] == ["eager-fp32", "executorch-runtime"]
         assert report.fidelity.engine == "executorch-runtime"
-        linear = {o["op"]: o for o in report.delegation.ops}["aten_linear_default"]
+        linear = {o.op: o for o in report.delegation.ops}["aten_linear_default"]
         # per layer: with ExecuTorch's attention ops 5 projections (q/k/v fused) + 1 rope rotation, with aten
         # SDPA (fp16) the 7 projections; in both, 2 norms' mean of squares. Plus the final norm and lm_head.
         per_layer = (5 + 1 if report.recipe.name != "xnnpack-fp16" else 7) + 2
-        assert linear["non_delegated"] == 0 and linear["delegated"] == 2 * per_layer + 1 + 1
+        assert linear.non_delegated == 0 and linear.delegated == 2 * per_layer + 1 + 1
         sizes[report.recipe.name] = report.pte.bytes
     assert sizes["xnnpack-8da4w-emb4"] < sizes["xnnpack-8da8w"] < sizes["xnnpack-fp16"]
 
@@ -218,10 +218,10 @@ def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path)
     # coreml-fp16's whole-program delegation is checked here (the built-in model runs coreml-int4 only)
     for report in (first, second):
         delegation = report.delegation
-        ops = {o["op"]: o for o in delegation.ops}
+        ops = {o.op: o for o in delegation.ops}
         assert delegation.delegated_subgraphs == 1 and delegation.non_delegated_nodes <= 2
         for op in ("aten_linear_default", "aten_scaled_dot_product_attention_default"):
-            assert ops[op]["delegated"] > 0 and ops[op]["non_delegated"] == 0, ops[op]
+            assert ops[op].delegated > 0 and ops[op].non_delegated == 0, ops[op]
 
 
 def test_fused_qkv_quantizes_exactly_as_three_linears(tiny_checkpoint):

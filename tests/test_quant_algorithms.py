@@ -329,7 +329,7 @@ def test_algorithms_keep_the_program_format(tiny_checkpoint):
             with torch.no_grad():
                 eager = module(tokens, torch.tensor([0]))
             assert torch.allclose(step(tokens, torch.tensor([0])), eager, atol=5e-2)  # XNNPACK rounds activations its own way
-            assert lowered.delegation["delegated_nodes"] > 0
+            assert lowered.delegation.delegated_nodes > 0
     nodes, _constants = forms["minmax"]
     assert sum(value is not None and value[1] == torch.int8 for _op, _target, value in nodes) > 10  # int4 weights inside
     for algorithm, form in forms.items():

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.output.report import (Fidelity, Generation, JobSummary, LayerMap, OpRow, Quantization, Report, RunnerGeneration,
-                            StageError, load_report)
+from recipes.output.report import (DelegatedOp, Fidelity, Generation, JobEstimate, JobSummary, LayerError, LayerMap,
+                                   OpRow, Quantization, RecipeEstimate, Report, RunnerGeneration, StageError,
+                                   TimeEstimate, load_report)
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD_REPORTS = sorted(DATA.glob("report_*.json"))
@@ -31,11 +32,15 @@ def test_old_reports_are_read_into_typed_sections():
     assert fp32.fidelity.heldout.top1_agreement_percent == 100.0 and fp32.fidelity.layers is None
     assert [type(g) for g in fp32.generations] == [Generation, Generation] and fp32.profile is None
     assert fp32.memory.estimate.eval_tokens and fp32.llm_metadata.get_eos_ids == [2]
+    assert fp32.delegation.ops[0] == DelegatedOp("getitem", 0, 16, before_partitioning=10)
+    assert fp32.memory.estimate.recipe_row("xnnpack-fp32") == fp32.memory.estimate.recipes[0]
+    assert isinstance(fp32.memory.estimate.recipes[0], RecipeEstimate) and fp32.memory.estimate.recipes[0].stages
 
     mixed = load_report(DATA / "report_xnnpack_8da4w_mixed_profiled.json")
     assert mixed.quantization.calibration.tokens == 512 and mixed.quantization.mixed_precision.units_8bit
     assert mixed.fidelity.layers.engine == "executorch-runtime" and mixed.fidelity.layers.error is None
     assert isinstance(mixed.profile.decode.ops[0], OpRow) and mixed.profile.files.etrecord == "etrecord.bin"
+    assert mixed.fidelity.layers.layers[:2] == [LayerError(0, 22.21, 0.07756), LayerError(1, 19.17, 0.11)]
 
     qnn = load_report(DATA / "report_qnn_8a8w_layer_map_error.json")
     assert qnn.fidelity.perplexity > 0 and qnn.fidelity.layers.error.stage == "layer_map"
@@ -55,6 +60,30 @@ def test_a_key_the_report_does_not_know_is_skipped_on_reading_and_refused_from_t
     # timings keep the seconds of parts they do not name, as they are
     report = Report.from_dict({"timings_s": {"export": 1.0, "new_part": 2.0}})
     assert report.timings.export == 1.0 and report.to_dict()["timings_s"] == {"export": 1.0, "new_part": 2.0}
+
+
+def test_the_jobs_estimate_keeps_its_recipes_times_for_their_own_reports_and_writes_them_rounded():
+    """memory.estimate holds the job's memory and disk; each recipe's seconds, kept exact for the app's sums, go to
+    that recipe's report under timings_s.estimate, rounded as report.json writes them."""
+    time = TimeEstimate(export=12.345, lower=3.06, other=20.0, total=40.051, fitted_on="134M–3.2B", shared=4.649,
+                        rates_from="Some CPU, 2 cores", host_speed=0.8749)
+    estimate = JobEstimate(peak_rss_bytes=10, disk_bytes=2, checkpoint_bytes=4, stages={"load": 5},
+                           recipes=[RecipeEstimate("xnnpack-fp32", 10, {"lower": 10}, 2, time=time)],
+                           peak_stage="xnnpack-fp32 lower", time_notes=["a 27K model is outside the cells"])
+    written = estimate.to_dict()
+    assert written == {"peak_rss_bytes": 10, "disk_bytes": 2, "checkpoint_bytes": 4, "reference_dtype": None,
+                       "stages": {"load": 5}, "recipes": [{"recipe": "xnnpack-fp32", "peak_rss_bytes": 10,
+                                                           "stages": {"lower": 10}, "pte_bytes": 2}],
+                       "reference_weight_dtype": None, "eval_tokens": None, "peak_stage": "xnnpack-fp32 lower"}
+    assert JobEstimate.from_dict(written, strict=True) == estimate  # its times are no keys of memory.estimate
+    assert estimate.seconds == time.total
+    recorded = estimate.recipe_time("xnnpack-fp32")
+    assert recorded.to_dict() == time.to_dict() == {
+        "export": 12.3, "lower": 3.1, "other": 20.0, "total": 40.1, "fitted_on": "134M–3.2B", "shared": 4.6,
+        "rates_from": "Some CPU, 2 cores", "host_speed": 0.87}
+    report = Report()
+    report.timings.estimate = recorded
+    assert Report.from_dict(json.loads(report.to_json()), strict=True) == report
 
 
 def test_a_failed_measurement_is_its_error_alone():

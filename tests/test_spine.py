@@ -51,18 +51,18 @@ def test_module_matches_transformers(tiny_llama_dir, tiny_checkpoint):
 def test_delegation_table_of_fp32(tiny_fp32_lowered):
     _module, lowered, _recipe = tiny_fp32_lowered
     table = lowered.delegation
-    ops = {o["op"]: o for o in table["ops"]}
+    ops = {o.op: o for o in table.ops}
     # One partition per gap between ExecuTorch's attention ops (update_cache, custom_sdpa), which stay
     # outside XNNPACK: norms, projections, rope, MLP and the views between them all inside.
-    assert table["delegated_subgraphs"] == 2 + 1
+    assert table.delegated_subgraphs == 2 + 1
     # per layer 5 projections (q/k/v fused, o, gate, up, down), 1 rope rotation and 2 norms' mean of squares,
     # plus the final norm's and lm_head
-    assert ops["aten_linear_default"]["delegated"] == 2 * (5 + 1 + 2) + 1 + 1
+    assert ops["aten_linear_default"].delegated == 2 * (5 + 1 + 2) + 1 + 1
     # XNNPACK's mean would bring layout changes with it; the norms compute theirs as a linear
     assert "aten_mean_dim" not in ops
-    assert ops["aten_linear_default"]["non_delegated"] == 0
+    assert ops["aten_linear_default"].non_delegated == 0
     # read before to_executorch: no memory-planning nodes counted as undelegated ops
-    assert not [o for o in table["ops"] if "alloc" in o["op"]]
+    assert not [o for o in table.ops if "alloc" in o.op]
 
 
 def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):

@@ -76,7 +76,7 @@ def test_twin_driven_by_run_static_gives_eager_fp32_tokens(tiny_static_twin, tin
     result = shipped.generate(session, ids, 6, set(session.stop_ids))
     assert result["tokens"] == reference.tokens
     assert report.delegation.methods == ["decode", "prefill"]
-    assert {o["op"]: o for o in report.delegation.ops}["aten_linear_default"]["non_delegated"] == 0
+    assert {o.op: o for o in report.delegation.ops}["aten_linear_default"].non_delegated == 0
 
 
 def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
@@ -143,15 +143,15 @@ def test_builtin_ane_c4w_has_both_static_methods_with_every_linear_in_core_ml(bu
     metadata = report.llm_metadata
     assert metadata.enable_dynamic_shape is False and metadata.get_prefill_len == 32
     assert metadata.get_kv_cache_shape == [1, kv_heads, 256, head_dim] and metadata.get_kv_cache_fp16
-    ops = {o["op"]: o for o in report.delegation.ops}
+    ops = {o.op: o for o in report.delegation.ops}
     # 7 linears a layer, gate and up split in two (1536 outputs), the output layer in 48 (49152): per method
     linears = layers * 9 + 48
-    assert ops["aten_linear_default"]["delegated"] == 2 * linears and ops["aten_linear_default"]["non_delegated"] == 0
-    assert ops["aten_scaled_dot_product_attention_default"] == {
-        **ops["aten_scaled_dot_product_attention_default"], "delegated": 2 * layers, "non_delegated": 0}
+    assert ops["aten_linear_default"].delegated == 2 * linears and ops["aten_linear_default"].non_delegated == 0
+    sdpa = ops["aten_scaled_dot_product_attention_default"]
+    assert (sdpa.delegated, sdpa.non_delegated) == (2 * layers, 0)
     for norm_op in ("aten_rsqrt_default", "aten_mean_dim"):
-        assert ops[norm_op]["non_delegated"] == 0 and ops[norm_op]["delegated"] == 2 * (2 * layers + 1)
-    assert {o["op"] for o in report.delegation.ops if o["non_delegated"]} <= {"getitem"}
+        assert ops[norm_op].non_delegated == 0 and ops[norm_op].delegated == 2 * (2 * layers + 1)
+    assert {o.op for o in report.delegation.ops if o.non_delegated} <= {"getitem"}
     assert report.recipe.options["compute_units"] == "cpu_and_ne"
 
 

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from recipes.estimates.host_speed import HostSpeed, host_speed
-from recipes.estimates.job_cost import recipe_options_for
+from recipes.output.report import JobEstimate, RecipeEstimate
 from recipes.registry import get_recipe
+from recipes.request import recipe_options
 from recipes.estimates.time_estimate import estimate_time, fit_power_law
 
 UNIT = HostSpeed(python_mops=1.0, matmul_gflops=1.0)
@@ -27,8 +28,10 @@ def results(tmp_path, cells: list[dict]):
 
 
 def estimate(path, params: float, recipes: list[str], speed: HostSpeed = UNIT, generate: bool = True, options=None):
+    """(each recipe's TimeEstimate, the notes)."""
     chosen = [get_recipe(name) for name in recipes]
-    return estimate_time(int(params), chosen, recipe_options_for(chosen, options or {}), generate, speed, path)
+    per_recipe = {recipe.name: recipe_options(recipe, options or {}) for recipe in chosen}
+    return estimate_time(int(params), chosen, per_recipe, generate, speed, path)
 
 
 def test_a_power_law_is_fitted_back_exactly():
@@ -47,16 +50,19 @@ def test_each_stage_follows_its_fit_and_the_shared_stages_count_once(tmp_path):
     path = results(tmp_path, [cell(n, {k: v * n / 1e8 for k, v in stages.items()}) for n in (int(1e8), int(1e9))]
                    + [cell(n, {k: v * n / 1e8 for k, v in stages.items()}, recipe="xnnpack-fp32", algorithm=None)
                       for n in (int(1e8), int(1e9))])
-    one = estimate(path, 3e8, ["xnnpack-8da4w"])
-    assert one.shared == pytest.approx({"load": 3.0, "reference_generation": 6.0, "reference_fidelity": 9.0})
-    assert one.recipes[0].seconds["lower"] == pytest.approx(18.0)
-    assert one.recipes[0].part("lower") == pytest.approx(18.0 + 21.0)  # lowering and serializing
-    assert one.seconds == pytest.approx(3 * sum(stages.values()))
-    two = estimate(path, 3e8, ["xnnpack-8da4w", "xnnpack-fp32"])
-    assert two.seconds == pytest.approx(one.seconds + one.recipes[0].total_s)
-    export_only = estimate(path, 3e8, ["xnnpack-8da4w"], generate=False)
-    assert set(export_only.shared) == {"load"}
-    assert set(export_only.recipes[0].seconds) == {"quantize", "export", "lower", "serialize"}
+    (one,), _notes = estimate(path, 3e8, ["xnnpack-8da4w"])
+    assert one.shared == pytest.approx(3.0 + 6.0 + 9.0)  # loading and the reference's two stages
+    assert (one.export, one.lower) == pytest.approx((15.0, 18.0 + 21.0))  # lowering and serializing
+    assert one.other == pytest.approx(12.0 + 24.0 + 27.0 + 30.0 + 33.0)
+    assert one.total == pytest.approx(3 * sum(stages.values()))
+    times, _notes = estimate(path, 3e8, ["xnnpack-8da4w", "xnnpack-fp32"])
+    two = JobEstimate(recipes=[RecipeEstimate(recipe=name, time=time)
+                               for name, time in zip(["xnnpack-8da4w", "xnnpack-fp32"], times)])
+    assert two.seconds == pytest.approx(one.total + one.total - one.shared)
+    (export_only,), _notes = estimate(path, 3e8, ["xnnpack-8da4w"], generate=False)
+    assert export_only.shared == pytest.approx(3.0)  # loading alone
+    assert export_only.other == pytest.approx(12.0)  # quantizing alone
+    assert export_only.total == pytest.approx(3.0 + 12.0 + 15.0 + 18.0 + 21.0)
 
 
 def test_stages_are_scaled_to_the_speed_of_the_host_that_asks(tmp_path):
@@ -65,11 +71,12 @@ def test_stages_are_scaled_to_the_speed_of_the_host_that_asks(tmp_path):
     fast = HostSpeed(python_mops=2.0, matmul_gflops=4.0)
     path = results(tmp_path, [cell(n, {"export": n / 1e8, "quantize": n / 1e8}, speed=fast)
                               for n in (int(1e8), int(1e9))])
-    same = estimate(path, 1e9, ["xnnpack-8da4w"], speed=fast, generate=False).recipes[0].seconds
-    slower = estimate(path, 1e9, ["xnnpack-8da4w"], speed=HostSpeed(1.0, 1.0), generate=False)
-    assert same == pytest.approx({"export": 10.0, "quantize": 10.0})
-    assert slower.recipes[0].seconds == pytest.approx({"export": 20.0, "quantize": 40.0})
-    assert slower.speed == pytest.approx(0.5) and slower.rates_from == "Some CPU, 2 cores (2026-12-07 to 2026-12-07)"
+    (same,), _notes = estimate(path, 1e9, ["xnnpack-8da4w"], speed=fast, generate=False)
+    (slower,), _notes = estimate(path, 1e9, ["xnnpack-8da4w"], speed=HostSpeed(1.0, 1.0), generate=False)
+    assert (same.export, same.other) == pytest.approx((10.0, 10.0))  # exporting, and quantizing
+    assert (slower.export, slower.other) == pytest.approx((20.0, 40.0))
+    assert slower.host_speed == pytest.approx(0.5)
+    assert slower.rates_from == "Some CPU, 2 cores (2026-12-07 to 2026-12-07)"
 
 
 def test_only_cells_measured_alone_stage_by_stage_are_read_and_narrow_groups_come_first(tmp_path):
@@ -80,16 +87,17 @@ def test_only_cells_measured_alone_stage_by_stage_are_read_and_narrow_groups_com
         {**cell(int(5e8), {}, algorithm="awq"), "stages_s": None},  # an older cell without its stages
     ])
     quantize = {algorithm: estimate(path, 1e9, ["xnnpack-8da4w"], generate=False,
-                                    options={"quant_algorithm": algorithm}).recipes[0].seconds["quantize"]
+                                    options={"quant_algorithm": algorithm})[0][0].other  # quantizing alone
                 for algorithm in ("hqq", "awq")}
     assert quantize == pytest.approx({"hqq": 10.0, "awq": 100.0})
-    minmax = estimate(path, 1e9, ["xnnpack-8da4w"], generate=False, options={"quant_algorithm": "minmax"})
-    assert "no zoo cell measured 8da4w with minmax" in " ".join(minmax.notes)
+    _times, notes = estimate(path, 1e9, ["xnnpack-8da4w"], generate=False, options={"quant_algorithm": "minmax"})
+    assert "no zoo cell measured 8da4w with minmax" in " ".join(notes)
 
 
 def test_a_stage_measured_at_one_size_scales_with_the_parameters(tmp_path):
     path = results(tmp_path, [cell(int(1e8), {"lower": 5.0})])
-    assert estimate(path, 4e8, ["xnnpack-8da4w"], generate=False).recipes[0].seconds["lower"] == pytest.approx(20.0)
+    (time,), _notes = estimate(path, 4e8, ["xnnpack-8da4w"], generate=False)
+    assert time.lower == pytest.approx(20.0)
 
 
 def test_no_cell_measured_stage_by_stage_gives_no_estimate_rather_than_a_guess(tmp_path):

@@ -3,11 +3,13 @@ to_edge) and attention delegated; the .pte does not run on the wheel's runtime, 
 shows the eager generation, labelled, with the reason."""
 import pytest
 
+from recipes.output.report import DelegatedOp
+
 LINEARS_PER_LAYER = 6  # fused q/k/v, o, gate, up, down, and the rope rotation (a product with a constant matrix)
 
 
-def _mm(report) -> dict:
-    return {o["op"]: o for o in report.delegation.ops}["aten_mm_default"]
+def _mm(report) -> DelegatedOp:
+    return {o.op: o for o in report.delegation.ops}["aten_mm_default"]
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +28,11 @@ def test_tiny_llama_lowers_with_vulkan_and_shows_the_labelled_eager_generation(v
     for report in summary.recipes:
         assert report.errors == [], report.errors
         mm = _mm(report)
-        assert mm["delegated"] == 2 * LINEARS_PER_LAYER + 1 and mm["non_delegated"] == 0, mm
-        custom_sdpa = {o["op"]: o for o in report.delegation.ops}["llama_custom_sdpa_default"]
-        assert custom_sdpa["non_delegated"] == 0
+        assert mm.delegated == 2 * LINEARS_PER_LAYER + 1 and mm.non_delegated == 0, mm
+        custom_sdpa = {o.op: o for o in report.delegation.ops}["llama_custom_sdpa_default"]
+        assert custom_sdpa.non_delegated == 0
         assert report.delegation.delegated_subgraphs <= 2
-        outside = {o["op"] for o in report.delegation.ops if o["non_delegated"]}
+        outside = {o.op for o in report.delegation.ops if o.non_delegated}
         assert outside <= {"aten_index_select_default", "aten_arange_start_step", "sym_size", "getitem"}, outside
         assert [g.engine for g in report.generations] == ["eager-fp32", "eager-quantized"]
         assert "no Vulkan backend" in report.runtime_note

@@ -208,7 +208,7 @@ def test_non_xnnpack_lowering_runs_with_no_patch_active(tiny_checkpoint):
     originals = xnnpack_patches.patch_targets()
     probe = _PatchProbe()
     lowered = _lower_tiny(tiny_checkpoint, "coreml-fp32", probe)
-    assert lowered.delegation["delegated_subgraphs"] >= 1
+    assert lowered.delegation.delegated_subgraphs >= 1
     assert probe.seen == originals
 
 

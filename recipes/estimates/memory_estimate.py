@@ -5,11 +5,14 @@ A job's stages run one after another in one process, so its peak is the largest 
 what the job keeps (the quantized modules of earlier recipes, the reference logits) plus its own working
 set, which the constants below give as ratios to the bytes it works on, measured stage by stage
 (recipes/process/rss.py; the peaks in zoo/results.json, measured by `python -m zoo matrix`). A backend's
-lowering differs most, so its ratio is the backend's own `lowering_memory_ratio` (recipes/<backend>.py)."""
+lowering differs most, so its ratio is the backend's own `lowering_memory_ratio` (recipes/<backend>.py).
+
+The estimate is the report's JobEstimate (recipes/output/report.py), as memory.estimate records it; each recipe's
+time is added by recipes/estimates/job_cost.py."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from quant.quantize import quantizes_by_unit, recipe_algorithm, transforms_by_un
 from quant.schemes import SCHEMES
 from recipes.process import rss
 from recipes.evaluation.fidelity import EVAL_TEXT, HELDOUT_TEXT
+from recipes.output.report import JobEstimate, RecipeEstimate
 
 GB = 1e9
 LIMIT_ENV = "LOWERBENCH_MEMORY_LIMIT_GB"
@@ -54,44 +58,6 @@ PREFILL_LOGITS = 1  # the one prefill window of logits alive at a time, in fp32
 # quantizing with an algorithm that looks at the whole float model (SpinQuant, GPTQ, mixed precision;
 # quant/quantize.py): the float module built whole, and the calibration passes' activations and searches, over it.
 WHOLE_MODEL_TRANSIENT = 1.0
-
-
-@dataclass(frozen=True)
-class RecipeEstimate:
-    recipe: str
-    peak_rss_bytes: int
-    stages: dict[str, int]  # stage -> peak RSS of the process during it
-    pte_bytes: int
-
-
-@dataclass(frozen=True)
-class JobEstimate:
-    peak_rss_bytes: int
-    disk_bytes: int  # the outputs (.pte files); a download is checked on its own by models/sources/hub.py
-    checkpoint_bytes: int  # the weights as stored (bf16 for most Hub checkpoints)
-    reference_dtype: torch.dtype | None  # the eager reference's dtype; None without generation
-    stages: dict[str, int]  # stages before any recipe (load, reference)
-    recipes: list[RecipeEstimate] = field(default_factory=list)
-    # the dtype the reference keeps its matrices in (models/compute_dtype.py); None without generation
-    reference_weight_dtype: torch.dtype | None = None
-    eval_tokens: list[int] | None = None  # the fidelity texts' token counts it assumed; None without generation
-    # Neither whole reference fits: the fp32 reference scores the texts one unit at a time from the checkpoint
-    # (recipes/evaluation/layer_major_reference.py) and makes no generation.
-    reference_layer_major: bool | None = None
-
-    @property
-    def peak_stage(self) -> str:
-        stages = dict(self.stages)
-        for r in self.recipes:
-            stages.update({f"{r.recipe} {name}": value for name, value in r.stages.items()})
-        return max(stages, key=stages.get)
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        for name in ("reference_dtype", "reference_weight_dtype"):
-            data[name] = str(data[name]).replace("torch.", "") if data[name] else None
-        data["peak_stage"] = self.peak_stage
-        return data
 
 
 @dataclass(frozen=True)
@@ -196,23 +162,33 @@ def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
     if generate:
         budget = memory_budget()[0] if budget_bytes is None else budget_bytes
         stored = checkpoint_dtype(config)
-        fp32 = _estimate(config, recipes, max_seq_len, torch.float32, stored, options, eval_tokens, layer_map=layer_map)
+        fp32 = _estimate(config, recipes, max_seq_len, _Reference(torch.float32, stored), options, eval_tokens,
+                         layer_map)
         if fp32.peak_rss_bytes <= budget or stored == torch.float32:
             return fp32
-        whole = _estimate(config, recipes, max_seq_len, stored, options=options, eval_tokens=eval_tokens,
-                          layer_map=layer_map)
+        whole = _estimate(config, recipes, max_seq_len, _Reference(stored, stored), options, eval_tokens, layer_map)
         if whole.peak_rss_bytes <= budget:
             return whole
-        layer_major = _estimate(config, recipes, max_seq_len, torch.float32, options=options, eval_tokens=eval_tokens,
-                                layer_major=True, layer_map=layer_map)
+        layer_major = _estimate(config, recipes, max_seq_len, _Reference(torch.float32, torch.float32, True), options,
+                                eval_tokens, layer_map)
         return layer_major if layer_major.peak_rss_bytes < whole.peak_rss_bytes else whole
-    return _estimate(config, recipes, max_seq_len, None, options=options)
+    return _estimate(config, recipes, max_seq_len, None, options)
 
 
-def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dtype | None,
-              reference_weight_dtype: torch.dtype | None = None, options: dict | None = None,
-              eval_tokens: list[int] | None = None, layer_major: bool = False, layer_map: bool = False) -> JobEstimate:
+@dataclass(frozen=True)
+class _Reference:
+    """How the eager reference would run."""
+    dtype: torch.dtype  # what it computes in
+    weight_dtype: torch.dtype  # what it keeps its decoder layers' matrices in (models/compute_dtype.py)
+    # the texts scored one unit at a time from the checkpoint (recipes/evaluation/layer_major_reference.py)
+    layer_major: bool = False
+
+
+def _estimate(config, recipes: list, max_seq_len: int, reference: _Reference | None, options: dict | None = None,
+              eval_tokens: list[int] | None = None, layer_map: bool = False) -> JobEstimate:
+    """reference: None without generation."""
     w = _weights(config)
+    reference_dtype = reference.dtype if reference is not None else None
     vocab = config.vocab_size
     stored_bytes = torch.finfo(checkpoint_dtype(config)).bits // 8
     checkpoint_bytes = (w.linears + w.embedding + (0 if w.tied else w.output)) * stored_bytes
@@ -222,12 +198,12 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
     text_tokens = (eval_tokens or _eval_tokens()) if reference_dtype is not None else []
     if reference_dtype is not None:
         ref_bytes = torch.finfo(reference_dtype).bits // 8
-        weight_dtype = reference_weight_dtype or reference_dtype
+        weight_dtype = reference.weight_dtype
         eval_logits = sum(text_tokens) * vocab * 4
         ref_weights = w.linears * (torch.finfo(weight_dtype).bits // 8) + (w.embedding + (0 if w.tied else w.output)) * ref_bytes
         if weight_dtype != reference_dtype:
             ref_weights += w.per_layer * ref_bytes  # an fp32 scratch per weight shape of a decoder layer
-        if layer_major:
+        if reference.layer_major:
             ref_weights = w.largest_unit * ref_bytes  # one unit in memory at a time
         # the reference attends with aten SDPA: its bool causal mask [max_seq_len, max_seq_len] beside the caches
         stages["reference"] = (BASE_BYTES + ref_weights + _kv_cache_bytes(config, max_seq_len, ref_bytes)
@@ -297,13 +273,39 @@ def _estimate(config, recipes: list, max_seq_len: int, reference_dtype: torch.dt
         else:
             kept_modules.pop(key, None)
         run = {k: int(v) for k, v in run.items()}
-        per_recipe.append(RecipeEstimate(recipe.name, max(run.values()), run, int(pte)))
+        per_recipe.append(RecipeEstimate(recipe=recipe.name, peak_rss_bytes=max(run.values()), stages=run,
+                                         pte_bytes=int(pte)))
     stages = {k: int(v) for k, v in stages.items()}
     peak = max([*stages.values(), *(r.peak_rss_bytes for r in per_recipe)])
-    return JobEstimate(int(peak), sum(r.pte_bytes for r in per_recipe), int(checkpoint_bytes), reference_dtype,
-                       stages, per_recipe,
-                       reference_weight_dtype=(reference_weight_dtype or reference_dtype) if reference_dtype else None,
-                       eval_tokens=text_tokens or None, reference_layer_major=layer_major or None)
+    return JobEstimate(
+        peak_rss_bytes=int(peak), disk_bytes=sum(r.pte_bytes for r in per_recipe),
+        checkpoint_bytes=int(checkpoint_bytes), reference_dtype=_dtype_name(reference_dtype), stages=stages,
+        recipes=per_recipe,
+        reference_weight_dtype=_dtype_name(reference.weight_dtype if reference is not None else None),
+        eval_tokens=text_tokens or None, peak_stage=_peak_stage(stages, per_recipe),
+        reference_layer_major=(reference is not None and reference.layer_major) or None)
+
+
+def _peak_stage(stages: dict[str, int], per_recipe: list[RecipeEstimate]) -> str:
+    """The stage of the job's peak: a shared stage's name, or a recipe's and its stage's."""
+    stages = dict(stages)
+    for r in per_recipe:
+        stages.update({f"{r.recipe} {name}": value for name, value in r.stages.items()})
+    return max(stages, key=stages.get)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    """As report.json names a dtype, e.g. "bfloat16"."""
+    return str(dtype).replace("torch.", "") if dtype else None
+
+
+def reference_dtypes(estimate: JobEstimate | None) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the dtype the eager reference computes in, the one it keeps its matrices in) as the estimate chose them;
+    fp32 and the checkpoint's own without an estimate."""
+    if estimate is None:
+        return torch.float32, None
+    weight_dtype = estimate.reference_weight_dtype
+    return getattr(torch, estimate.reference_dtype), getattr(torch, weight_dtype) if weight_dtype else None
 
 
 def memory_budget() -> tuple[int, str]:
@@ -378,20 +380,3 @@ def _smaller_cache_choices(config, recipes: list, max_seq_len: int, generate: bo
         if lighter < peak:
             choices.append(f"smaller KV caches ({flag}: {lighter / GB:.1f} GB)")
     return choices
-
-
-@dataclass
-class JobMemoryCheck:
-    """check_job_fits for one job, keeping its latest estimate: called with the config before any weight is read
-    (models.sources.checkpoint.load_checkpoint's check_config), and again with the evaluation texts' token counts once
-    the tokenizer is read."""
-    recipes: list
-    max_seq_len: int
-    generate: bool
-    options: dict | None = None  # recipe name -> its options
-    layer_map: bool = False
-    estimate: JobEstimate | None = None
-
-    def __call__(self, config, eval_tokens: list[int] | None = None) -> None:
-        self.estimate = check_job_fits(config, self.recipes, self.max_seq_len, self.generate, self.options,
-                                       eval_tokens, self.layer_map)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.estimates.host_speed import HostSpeed
+from recipes.output.report import TimeEstimate
 
 ZOO_RESULTS = Path(__file__).resolve().parents[2] / "zoo" / "results.json"
 # The job's stages (a report's timings_s keys), and what each stage's seconds depend on, narrowest first.
@@ -72,40 +73,12 @@ class Fit:
         return self.scale * (params / 1e9) ** self.exponent / speed
 
 
-@dataclass(frozen=True)
-class RecipeTime:
-    recipe: str
-    seconds: dict  # stage -> seconds on this host (the job's shared stages are not among them)
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.seconds.values())
-
-    def part(self, name: str) -> float:
-        """export, lower (with serializing) or other (the rest of the recipe's own stages)."""
-        if name in PARTS:
-            return sum(self.seconds.get(stage, 0.0) for stage in PARTS[name])
-        named = {stage for stages in PARTS.values() for stage in stages}
-        return sum(seconds for stage, seconds in self.seconds.items() if stage not in named)
-
-
-@dataclass(frozen=True)
-class JobTime:
-    shared: dict  # stage -> seconds of the stages every recipe shares, once per job
-    recipes: list[RecipeTime]
-    smallest: int  # the parameter range of every cell behind the estimate
-    largest: int
-    rates_from: str  # the CPUs, cores and dates of the cells behind it
-    speed: float  # this host's speed against those cells' (Python probe), > 1: faster
-    notes: list[str] = field(default_factory=list)  # where the estimate leaves what the cells measured
-
-    @property
-    def shared_s(self) -> float:
-        return sum(self.shared.values())
-
-    @property
-    def seconds(self) -> float:
-        return self.shared_s + sum(r.total_s for r in self.recipes)
+def _part(seconds: dict, name: str) -> float:
+    """export, lower (with serializing) or other (the rest of the recipe's own stages) of a recipe's seconds."""
+    if name in PARTS:
+        return sum(seconds.get(stage, 0.0) for stage in PARTS[name])
+    named = {stage for stages in PARTS.values() for stage in stages}
+    return sum(value for stage, value in seconds.items() if stage not in named)
 
 
 def size_label(params: int) -> str:
@@ -211,10 +184,12 @@ def fit_stage(cells: tuple[Sample, ...], stage: str, backend: str, scheme: str, 
 
 
 def estimate_time(params: int, recipes: list, options: dict, generate: bool, speed: HostSpeed,
-                  path: Path = ZOO_RESULTS, cells: list[dict] | None = None) -> JobTime:
-    """Seconds of running `recipes` (registry Recipes, one after another) on a model of `params` parameters, on a
-    host of `speed`. options: recipe name -> its options (the algorithm among them). The rates come from the
-    results.json at `path`, or from `cells` (its cells' JSON objects, e.g. some of them) when given."""
+                  path: Path = ZOO_RESULTS, cells: list[dict] | None = None) -> tuple[list[TimeEstimate], list[str]]:
+    """Each recipe's seconds (as its report's timings_s.estimate, in the order of `recipes`) of running `recipes`
+    (registry Recipes, one after another) on a model of `params` parameters, on a host of `speed`; and notes on
+    where the estimate leaves what the cells measured. options: recipe name -> its options (the algorithm among
+    them). The rates come from the results.json at `path`, or from `cells` (its cells' JSON objects, e.g. some of
+    them) when given."""
     key = _version(Path(path)) if cells is None else None  # a file's fits are cached, by its version
     samples = _samples(*key) if key else samples_of(cells)
     if not samples:
@@ -239,11 +214,10 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, spe
 
     wanted_shared = [s for s in SHARED_STAGES if generate or s not in FULL_JOB_ONLY]
     shared = {stage: s for stage in wanted_shared if (s := seconds(stage)) is not None}
-    per_recipe = []
+    per_recipe = []  # stage -> seconds on this host, of each recipe's own stages
     for recipe in recipes:
         stages = [s for s in RECIPE_STAGES if generate or s not in FULL_JOB_ONLY]
-        per_recipe.append(RecipeTime(recipe.name, {stage: s for stage in stages
-                                                   if (s := seconds(stage, recipe)) is not None}))
+        per_recipe.append({stage: s for stage in stages if (s := seconds(stage, recipe)) is not None})
         if options.get(recipe.name, {}).get("mixed_precision_budget"):
             notes.append("no zoo cell measured a mixed-precision search, which adds minutes to quantizing")
     smallest, largest = min(f.smallest for f in used), max(f.largest for f in used)
@@ -255,5 +229,9 @@ def estimate_time(params: int, recipes: list, options: dict, generate: bool, spe
     rates_from = "; ".join(f"{cpu}, {cores} cores" for cpu, cores in hosts) + (f" ({dates[0]} to {dates[-1]})"
                                                                                if dates else "")
     reference = sorted(c.speed.python_mops for c in samples)[len(samples) // 2]
-    return JobTime(shared, per_recipe, smallest, largest, rates_from, speed.python_mops / reference,
-                   list(dict.fromkeys(notes)))
+    shared_s = sum(shared.values())
+    times = [TimeEstimate(export=_part(own, "export"), lower=_part(own, "lower"), other=_part(own, "other"),
+                          total=shared_s + sum(own.values()), fitted_on=f"{size_label(smallest)}–{size_label(largest)}",
+                          shared=shared_s, rates_from=rates_from, host_speed=speed.python_mops / reference)
+             for own in per_recipe]
+    return times, list(dict.fromkeys(notes))

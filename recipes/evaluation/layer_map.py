@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from quant.layer_error import layer_errors
-from recipes.output.report import LayerMap, Report
+from recipes.output.report import LayerError, LayerMap, Report
 
 
 def windows_of(ids: list[int], max_seq_len: int) -> list[torch.Tensor]:
@@ -31,7 +31,8 @@ def decoder_layer_outputs(program: torch.export.ExportedProgram) -> list[str]:
 def layer_map(engine: str, method: str, reference: list[torch.Tensor], outputs: list[torch.Tensor]) -> LayerMap:
     """fidelity.layers: the engine, how its layer outputs were read, and each layer's error against the
     reference's."""
-    return LayerMap(engine=engine, method=method, layers=layer_errors(reference, outputs))
+    return LayerMap(engine=engine, method=method,
+                    layers=[LayerError.from_dict(row, strict=True) for row in layer_errors(reference, outputs)])
 
 
 def sqnr_chart_rows(reports: list[Report]) -> list[dict]:
@@ -40,6 +41,6 @@ def sqnr_chart_rows(reports: list[Report]) -> list[dict]:
     rows = []
     for report in reports:
         found = report.fidelity.layers if report.fidelity else None
-        rows += [{"recipe": report.recipe.name, "layer": row["layer"], "sqnr_db": row["sqnr_db"]}
-                 for row in (found.layers if found else []) if row["sqnr_db"] is not None]
+        rows += [{"recipe": report.recipe.name, "layer": row.layer, "sqnr_db": row.sqnr_db}
+                 for row in (found.layers if found else []) if row.sqnr_db is not None]
     return rows

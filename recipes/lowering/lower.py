@@ -27,6 +27,7 @@ from recipes.process import rss
 from recipes.files.atomic_write import write_atomically
 from recipes.process.collector_policy import collector_skipping_older_objects
 from recipes.lowering.delegation import methods_delegation_table
+from recipes.output.report import Delegation
 
 
 class OutputWriteError(OSError):
@@ -37,7 +38,7 @@ class OutputWriteError(OSError):
 class LoweredProgram:
     # The .pte's bytes, or None when it went straight to `pte_path` (see lower_to_pte): then `pte` reads the file.
     pte_data: bytes | None = field(repr=False)
-    delegation: dict  # recipes.lowering.delegation.delegation_table of the lowered edge graph, before to_executorch
+    delegation: Delegation  # of the lowered edge graph, read before to_executorch (recipes/lowering/delegation.py)
     edge_nodes_before_partitioning: int | None
     lower_s: float
     serialize_s: float

@@ -4,7 +4,9 @@ The pipeline fills these; `Report.to_dict()` is the one serialization of a repor
 and `Report.from_dict()` / `load_report()` read one back. Reading is lenient, so that files written by earlier
 versions load: a key the file lacks takes its field's default, a key this version does not know is skipped.
 Sections converted from another module's plain data with strict=True refuse keys they do not know instead, so a
-new key there cannot silently go missing from report.json.
+new key there cannot silently go missing from report.json. A figure with `digits` is written rounded to them; a field
+marked `elsewhere` is no key of its section (the job's estimate carries each recipe's time, which that recipe's
+report writes under timings_s.estimate).
 
 Torch-free on purpose: app.py imports it before thread_policy.limit_openmp_default() has run, and a job's summary
 comes back to the app pickled from the job's own process."""
@@ -14,7 +16,7 @@ import importlib.metadata
 import json
 import platform
 import traceback
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -24,9 +26,22 @@ from models.errors import UserFacingError
 CORE_PACKAGES = ("torch", "executorch", "torchao", "transformers")
 
 
-def optional(load: Callable | None = None, key: str | None = None):
+def optional(load: Callable | None = None, key: str | None = None, digits: int | None = None):
     """A key report.json leaves out when it has no value."""
-    return field(default=None, metadata={"omit_none": True, "load": load, "key": key})
+    return field(default=None, metadata={"omit_none": True, "load": load, "key": key, "digits": digits})
+
+
+def rounded(digits: int):
+    """A figure kept as computed and written rounded to `digits`."""
+    return field(default=None, metadata={"digits": digits})
+
+
+def elsewhere(default_factory: Callable | None = None):
+    """A field that is no key of its section: report.json writes it in another section, or not at all. It takes no
+    part in comparing sections, so a report read back equals the one written."""
+    if default_factory is None:
+        return field(default=None, compare=False, metadata={"elsewhere": True})
+    return field(default_factory=default_factory, compare=False, metadata={"elsewhere": True})
 
 
 def section(load: Callable, key: str | None = None, many: bool = False):
@@ -50,19 +65,34 @@ def _key(f) -> str:
     return f.metadata.get("key") or f.name
 
 
+def _keyed_fields(section) -> list:
+    """The fields that are keys of the section, in order."""
+    return [f for f in fields(section) if not f.metadata.get("elsewhere")]
+
+
+def _written(f, value):
+    digits = f.metadata.get("digits")
+    return value if digits is None or value is None else round(value, digits)
+
+
 class Section:
     """A part of report.json: its keys are its fields, in field order (a field's `key` metadata names a key
     that differs from it); a field marked `spread` holds keys this version does not name, kept as they are."""
 
     def to_dict(self) -> dict:
         data = {}
-        for f in fields(self):
+        for f in _keyed_fields(self):
             value = getattr(self, f.name)
             if f.metadata.get("spread"):
                 data.update(_plain(value))
             elif value is not None or not f.metadata.get("omit_none"):
-                data[_key(f)] = _plain(value)
+                data[_key(f)] = _plain(_written(f, value))
         return data
+
+    def as_written(self):
+        """A copy whose figures are as report.json writes them (rounded to their fields' digits)."""
+        return replace(self, **{f.name: _written(f, getattr(self, f.name)) for f in _keyed_fields(self)
+                                if f.metadata.get("digits") is not None})
 
     @classmethod
     def from_dict(cls, data: dict | None, strict: bool = False):
@@ -70,7 +100,7 @@ class Section:
             return None
         values, known = {}, set()
         spread = next((f for f in fields(cls) if f.metadata.get("spread")), None)
-        for f in fields(cls):
+        for f in _keyed_fields(cls):
             known.add(_key(f))
             if _key(f) not in data:
                 if f.default is MISSING and f.default_factory is MISSING:
@@ -150,14 +180,14 @@ class TimeEstimate(Section):
     (recipes/estimates/time_estimate.py): exporting, lowering (and serializing) and the rest (quantizing; in a full job also
     generating and scoring), and in total with the job's shared stages (loading, the reference), as
     timings_s.total counts them."""
-    export: float | None = None
-    lower: float | None = None
-    other: float | None = None
-    total: float | None = None
+    export: float | None = rounded(1)
+    lower: float | None = rounded(1)
+    other: float | None = rounded(1)
+    total: float | None = rounded(1)
     fitted_on: str | None = None  # the parameter range of the cells behind it, e.g. "134M–3.2B"
-    shared: float | None = optional()  # the job's shared stages, within total
+    shared: float | None = optional(digits=1)  # the job's shared stages, within total
     rates_from: str | None = optional()  # the CPUs, cores and dates of the cells behind it
-    host_speed: float | None = optional()  # this host's Python speed against those cells', > 1: faster
+    host_speed: float | None = optional(digits=2)  # this host's Python speed against those cells', > 1: faster
 
 
 @dataclass
@@ -232,14 +262,24 @@ class LlmMetadata(Section):
 
 
 @dataclass
+class DelegatedOp(Section):
+    """delegation.ops[]: one edge op type, its nodes inside and outside the backend's partitions."""
+    op: str | None = None  # the edge op, e.g. aten_linear_default
+    delegated: int | None = None
+    non_delegated: int | None = None
+    before_partitioning: int | None = None  # its nodes in the edge graph before partitioning; None: not recorded
+    # for an op left outside: the partitioners' log records naming it, [{source, reason}]
+    why_not_delegated: list[dict] = field(default_factory=list)
+
+
+@dataclass
 class Delegation(Section):
     """delegation: how much of the lowered graph its backend took (recipes/lowering/delegation.py)."""
     delegated_subgraphs: int | None = None
     delegated_nodes: int | None = None
     non_delegated_nodes: int | None = None
     delegated_percent: float | None = None
-    # rows {op, delegated, non_delegated, before_partitioning, why_not_delegated}
-    ops: list[dict] = field(default_factory=list)
+    ops: list[DelegatedOp] = section(_loader(DelegatedOp), many=True)  # the ops left outside first
     engine: str | None = None
     edge_nodes_before_partitioning: int | None = None
     preserved_ops: dict[str, list[str]] = field(default_factory=dict)  # partitioner -> ops kept from decomposition
@@ -338,12 +378,20 @@ class Heldout(Section):
 
 
 @dataclass
+class LayerError(Section):
+    """fidelity.layers.layers[]: one decoder layer's output against the reference's (quant/layer_error.py)."""
+    layer: int | None = None
+    sqnr_db: float | None = None  # None where the outputs are equal (an infinite SQNR)
+    relative_error: float | None = None
+
+
+@dataclass
 class LayerMap(Section):
     """fidelity.layers: each decoder layer's error against the reference (recipes/evaluation/layer_map.py), or the error
     that stopped the map, alone under `error`."""
     engine: str | None = None
     method: str | None = None
-    layers: list[dict] = field(default_factory=list)  # rows {layer, sqnr_db, relative_error}
+    layers: list[LayerError] = section(_loader(LayerError), many=True)
     error: StageError | None = optional(load=_loader(StageError))
 
     def to_dict(self) -> dict:
@@ -426,18 +474,52 @@ class Profile(Section):
 
 
 @dataclass
-class MemoryEstimate(Section):
-    """memory.estimate: the job's estimate, made before any weight was read (recipes/estimates/memory_estimate.py)."""
+class RecipeEstimate(Section):
+    """memory.estimate.recipes[]: one recipe's share of the job's estimate."""
+    recipe: str | None = None
     peak_rss_bytes: int | None = None
-    disk_bytes: int | None = None
-    checkpoint_bytes: int | None = None
-    reference_dtype: str | None = None
-    stages: dict[str, int] = field(default_factory=dict)
-    recipes: list[dict] = field(default_factory=list)  # rows {recipe, peak_rss_bytes, stages, pte_bytes}
+    stages: dict[str, int] = field(default_factory=dict)  # stage -> peak RSS of the process during it
+    pte_bytes: int | None = None  # its .pte (and .ptd)
+    # its seconds on this host, which its own report writes under timings_s.estimate; None where the zoo has no
+    # cell to time it from
+    time: TimeEstimate | None = elsewhere()
+
+
+@dataclass
+class JobEstimate(Section):
+    """memory.estimate: the job's estimate, made from the model's config before any weight was read
+    (recipes/estimates/): memory per stage and recipe, disk, and each recipe's time. The app shows it before the
+    job, the zoo refuses a cell by it, and each recipe's report keeps it."""
+    peak_rss_bytes: int | None = None
+    disk_bytes: int | None = None  # the outputs (.pte files); a download is checked on its own by models/sources/hub.py
+    checkpoint_bytes: int | None = None  # the weights as stored (bf16 for most Hub checkpoints)
+    reference_dtype: str | None = None  # the eager reference's dtype, e.g. "float32"; None without generation
+    stages: dict[str, int] = field(default_factory=dict)  # stages before any recipe (load, reference)
+    recipes: list[RecipeEstimate] = section(_loader(RecipeEstimate), many=True)
+    # the dtype the reference keeps its matrices in (models/compute_dtype.py); None without generation
     reference_weight_dtype: str | None = None
-    eval_tokens: list[int] | None = None
-    peak_stage: str | None = None
-    reference_layer_major: bool | None = optional()  # the fp32 reference scored one unit at a time, no generation
+    eval_tokens: list[int] | None = None  # the fidelity texts' token counts it assumed; None without generation
+    peak_stage: str | None = None  # e.g. "xnnpack-8da4w lower", or a shared stage
+    # Neither whole reference fits: the fp32 reference scores the texts one unit at a time from the checkpoint
+    # (recipes/evaluation/layer_major_reference.py) and makes no generation.
+    reference_layer_major: bool | None = optional()
+    time_notes: list[str] = elsewhere(list)  # where the time estimate leaves what the zoo's cells measured
+
+    def recipe_row(self, name: str) -> RecipeEstimate | None:
+        return next((row for row in self.recipes if row.recipe == name), None)
+
+    def recipe_time(self, name: str) -> TimeEstimate | None:
+        """The recipe's timings_s.estimate, as its report.json keeps it."""
+        row = self.recipe_row(name)
+        return row.time.as_written() if row is not None and row.time is not None else None
+
+    @property
+    def seconds(self) -> float | None:
+        """The whole job's: its shared stages once, then each recipe's own; None without a time estimate."""
+        times = [row.time for row in self.recipes]
+        if not times or any(time is None for time in times):
+            return None
+        return times[0].total + sum(time.total - time.shared for time in times[1:])
 
 
 @dataclass
@@ -445,7 +527,7 @@ class Memory(Section):
     """memory: the peak RSS of each stage (recipes/process/rss.py), the job's peak, and the estimate."""
     peak_rss_mb_by_stage: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float | None = None
-    estimate: MemoryEstimate | None = section(_loader(MemoryEstimate))
+    estimate: JobEstimate | None = section(_loader(JobEstimate))
 
 
 @dataclass

@@ -95,8 +95,8 @@ def _estimated_peak_gb(report: Report) -> float | None:
     estimate = report.memory.estimate if report.memory else None
     if estimate is None:
         return None
-    row = next((r for r in estimate.recipes if r.get("recipe") == report.recipe.name), None)
-    peaks = [*estimate.stages.values(), row.get("peak_rss_bytes")] if row else [estimate.peak_rss_bytes]
+    row = estimate.recipe_row(report.recipe.name)
+    peaks = [*estimate.stages.values(), row.peak_rss_bytes] if row else [estimate.peak_rss_bytes]
     peaks = [p for p in peaks if _number(p) is not None]
     return round(max(peaks) / 1e9, 2) if peaks else None
 

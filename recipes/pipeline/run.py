@@ -21,12 +21,12 @@ from recipes.evaluation import fidelity
 from recipes.running import llm_runner
 from recipes.process import malloc_policy
 from recipes.estimates import memory_estimate
+from recipes.estimates.job_cost import JobEstimateCheck
 from recipes.process import thread_policy
 from recipes.running import generate as gen
 from recipes.lowering import static_program
 from recipes.running import profile as profiling
 from recipes.files.atomic_write import write_atomically
-from recipes.estimates.host_speed import host_speed
 from recipes.evaluation.layer_major_reference import layer_major_scores
 from recipes.evaluation.layer_map import windows_of
 from recipes.lowering.lower import LoweredProgram, Lowering, OutputWriteError
@@ -34,14 +34,12 @@ from recipes.pipeline.layer_outputs import recipe_layer_map
 from recipes.pipeline.prepare import Made, Prepared, RecipeJob, Through, prepare_and_lower
 from recipes.files.pte_program import PTD_NAME, PTE_NAME
 from recipes.registry import Recipe, backend_packages, get_recipe
-from recipes.output.report import (Delegation, Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
-                            MemoryEstimate, ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, TimeEstimate,
-                            package_versions)
+from recipes.output.report import (Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
+                            ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
 from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, recipe_options,
                              validate_request)
 from recipes.pipeline.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
 from recipes.output.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
-from recipes.estimates.time_estimate import estimate_time, size_label
 from recipes.files.tokenizer_files import tokenizer_files
 
 # Above 2 GiB a single file passes a signed 32-bit size, which tools that take a file in one piece do not
@@ -57,7 +55,7 @@ class _Job:
     request: RunRequest
     checkpoint: Checkpoint
     model: ModelInfo
-    memory: memory_estimate.JobMemoryCheck
+    memory: JobEstimateCheck  # the job's estimate (memory, disk, time), checked against the memory it may use
     stages: Stages
     shared: Figures  # the stages before any recipe's
     versions: dict[str, str | None]
@@ -65,7 +63,6 @@ class _Job:
     reference: Generation | None = None
     eval_reference: fidelity.EvalReference | None = None
     prepared: dict[tuple, Prepared] = field(default_factory=dict)  # quantized modules a later recipe shares
-    time_estimates: dict[str, TimeEstimate] = field(default_factory=dict)  # recipe -> its estimate before the job
     shared_s: float = 0.0  # the wall of the stages every recipe shares (loading, the reference)
 
 
@@ -78,8 +75,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     validate_request(request, recipes)
     options = {recipe.name: recipe_options(recipe, request.options) for recipe in recipes}
     stages, shared = Stages(progress, cancel, total=3 + 7 * len(recipes)), Figures()
-    memory = memory_estimate.JobMemoryCheck(recipes, request.max_seq_len, request.generate, options,
-                                            request.layer_map)
+    memory = JobEstimateCheck(recipes, request.max_seq_len, request.generate, options, request.layer_map)
 
     def check_config(config) -> None:  # before any weight is read or downloaded
         check_limits(config, recipes, request.max_seq_len, options)
@@ -90,8 +86,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
                                      allow_pickle=request.allow_pickle, progress=progress, check_config=check_config)
     check_prompt_fits(checkpoint, request)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
-               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer),
-               time_estimates=_time_estimates(checkpoint.config, recipes, options, request.generate))
+               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer))
     if request.generate:
         _reference(job)
     job.shared_s = time.perf_counter() - started
@@ -110,20 +105,6 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     return summary
 
 
-def _time_estimates(config, recipes: list[Recipe], options: dict, generate: bool) -> dict[str, TimeEstimate]:
-    """Each recipe's seconds as the app estimates them before the click, to set beside the measured ones."""
-    try:
-        estimate = estimate_time(memory_estimate.parameter_count(config), recipes, options, generate, host_speed())
-    except ValueError:  # a zoo without cells measured stage by stage gives no estimate; the job runs without one
-        return {}
-    fitted_on = f"{size_label(estimate.smallest)}–{size_label(estimate.largest)}"
-    return {r.recipe: TimeEstimate(export=round(r.part("export"), 1), lower=round(r.part("lower"), 1),
-                                   other=round(r.part("other"), 1), total=round(estimate.shared_s + r.total_s, 1),
-                                   fitted_on=fitted_on, shared=round(estimate.shared_s, 1),
-                                   rates_from=estimate.rates_from, host_speed=round(estimate.speed, 2))
-            for r in estimate.recipes}
-
-
 def _reference(job: _Job) -> None:
     """The eager reference's generation and its logits on the evaluation texts (with each decoder layer's output
     for the layer map): what every recipe is measured against."""
@@ -133,8 +114,7 @@ def _reference(job: _Job) -> None:
     if job.memory.estimate:  # again with the texts' token counts by this tokenizer, before the reference is built
         job.memory(checkpoint.config, [len(ids) for ids in eval_ids])
     estimate = job.memory.estimate
-    reference_dtype = estimate.reference_dtype if estimate else torch.float32
-    weight_dtype = estimate.reference_weight_dtype if estimate else None
+    reference_dtype, weight_dtype = memory_estimate.reference_dtypes(estimate)
     if weight_dtype != checkpoint.dtype:
         weight_dtype = None  # only weights stored in that dtype stay in it: a cast would round them
     engine = REFERENCE_ENGINES[reference_dtype]
@@ -214,8 +194,8 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
                 runtime_note=measured.runtime_note, enabled=request.profile)
     figures.timings.peak_rss_mb = peak_rss_mb(figures.peaks)
     figures.timings.total = round(job.shared_s + time.perf_counter() - started, 1)
-    figures.timings.estimate = job.time_estimates.get(recipe.name)
     estimate = job.memory.estimate
+    figures.timings.estimate = estimate.recipe_time(recipe.name) if estimate else None
     report = Report(
         model=job.model,
         recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
@@ -224,14 +204,14 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
         versions=job.versions, threads=Threads.from_dict(thread_policy.describe(), strict=True),
         timings=figures.timings, pte=shipped.pte,
         llm_metadata=LlmMetadata.from_dict(made.metadata, strict=True) if made.metadata is not None else None,
-        delegation=Delegation.from_dict(lowered.delegation, strict=True) if lowered is not None else None,
+        delegation=lowered.delegation if lowered is not None else None,
         generations=generations, quantization=made.quantization, fidelity=measured.fidelity, errors=errors,
         generation_note=None if request.generate else
         "export only: no sample generations and no fidelity were asked for",
         runtime_note=measured.runtime_note, runner_note=shipped.runner_note, profile=profile,
         profile_note=profile_note,
         memory=Memory(peak_rss_mb_by_stage=figures.peaks, peak_rss_mb=figures.timings.peak_rss_mb,
-                      estimate=MemoryEstimate.from_dict(estimate.to_dict(), strict=True) if estimate else None))
+                      estimate=estimate))
     write_atomically(recipe_dir / "report.json", report.to_json().encode())
     return report
 

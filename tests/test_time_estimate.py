@@ -120,12 +120,14 @@ def measured_alone() -> list:
             and c.task is not None and c.task.host_speed is not None]
 
 
-def estimate_of(cell, fitted: list, speed: HostSpeed) -> float:
-    """The estimated seconds of the cell's job (its shared stages and its recipe's), fitted on `fitted` cells only."""
+def estimate_of(cell, fitted: list, speed: HostSpeed) -> tuple[float, list[str]]:
+    """The estimated seconds of the cell's job (its shared stages and its recipe's), fitted on `fitted` cells only,
+    and the estimate's notes."""
     recipe = get_recipe(cell.recipe)
     options = {recipe.name: {"quant_algorithm": cell.measured.quant_algorithm}}
-    return estimate_time(cell.params, [recipe], options, not cell.export_only, speed,
-                         cells=[c.to_dict() for c in fitted])
+    (time,), notes = estimate_time(cell.params, [recipe], options, not cell.export_only, speed,
+                                   cells=[c.to_dict() for c in fitted])
+    return time.total, notes
 
 
 # A held-out job whose backend the other sizes' cells measured at two sizes or more, against its measured time.
@@ -147,15 +149,15 @@ def test_each_model_size_is_predicted_from_the_other_sizes_cells():
     for size in sizes:
         fitted = [c for c in cells if c.params != size]
         for cell in (c for c in cells if c.params == size):
-            estimate = estimate_of(cell, fitted, cell.task.host_speed)
-            ratio = estimate.seconds / sum(cell.measured.stages_s.values())
+            seconds, notes = estimate_of(cell, fitted, cell.task.host_speed)
+            ratio = seconds / sum(cell.measured.stages_s.values())
             own_rates = len({c.params for c in fitted if c.backend == cell.backend}) >= 2
             bound = OWN_RATES_BOUND if own_rates else BORROWED_RATES_BOUND
             assert 1 / bound <= ratio <= bound, (cell.model, cell.recipe, round(ratio, 2))
             if own_rates:
                 judged_on_own_rates.add(size)
             else:
-                assert any("that of similar recipes" in note for note in estimate.notes), estimate.notes
+                assert any("that of similar recipes" in note for note in notes), notes
     assert judged_on_own_rates == set(sizes)
 
 
@@ -177,10 +179,10 @@ def test_the_builtin_default_jobs_estimate_is_near_its_measured_time(builtin_run
         estimate = timings["estimate"]  # the job's own, from every cell
         assert estimate["shared"] < estimate["total"] and estimate["rates_from"]
         options = {recipe: {"quant_algorithm": report["recipe"]["options"].get("quant_algorithm")}}
-        held_out = estimate_time(report["model"]["parameters"], [get_recipe(recipe)], options, True, speed,
-                                 cells=[c.to_dict() for c in fitted])
-        ratio = timings["total"] / held_out.seconds
-        print(f"{recipe}: measured {timings['total']} s, estimated {held_out.seconds:.1f} s without the built-in "
-              f"model's cells ({ratio:.2f}x; {estimate['total']} s with them), this host at {held_out.speed:.2f}x "
-              "the cells' speed")
+        (held_out,), _notes = estimate_time(report["model"]["parameters"], [get_recipe(recipe)], options, True,
+                                            speed, cells=[c.to_dict() for c in fitted])
+        ratio = timings["total"] / held_out.total
+        print(f"{recipe}: measured {timings['total']} s, estimated {held_out.total:.1f} s without the built-in "
+              f"model's cells ({ratio:.2f}x; {estimate['total']} s with them), this host at "
+              f"{held_out.host_speed:.2f}x the cells' speed")
         assert 1 / ESTIMATE_BOUND <= ratio <= ESTIMATE_BOUND

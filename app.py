@@ -19,6 +19,7 @@ from pathlib import Path
 from models.errors import UserFacingError
 from models.sources.hub import check_repo_id
 from models.sources.hub_search import MIN_CHARACTERS, suggest_repos
+from quant.calibration_file import MAX_CALIBRATION_FILE_BYTES
 from recipes.process import thread_policy
 from recipes.process.dependency_noise import silence_dependency_noise
 from ui.jobs import cancel_job, job_folder, jobs_root, run_job
@@ -263,6 +264,15 @@ def quant_controls() -> tuple:
     layer_map = gr.Checkbox(False, label="Per-layer error map: each decoder layer's SQNR against fp32 (costs a "
                                          "second export and lowering per recipe)", elem_id="layer-map")
     return algorithm, budget, layer_map
+
+
+def calibration_upload():
+    """The Advanced tab's calibration file (the CLI's --calibration-file): the job reads and checks it."""
+    import gradio as gr
+
+    return gr.File(label="Calibration text (optional): UTF-8 .txt, or .jsonl with a chat a line "
+                         "({\"messages\": [{\"role\", \"content\"}, ...]})", file_types=[".txt", ".jsonl"],
+                   type="filepath", elem_id="calibration-file")
 
 
 def kv_cache_controls() -> tuple:
@@ -556,7 +566,7 @@ def lower_page() -> dict:
                  **user_options(None, *values[len(grouped) + len(option_defaults):])})
 
     def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
-              group_size, options, export_only=False, layer_map=False, weights_file=False,
+              group_size, options, export_only=False, layer_map=False, weights_file=False, calibration_file=None,
               oauth_token: gr.OAuthToken | None = None,
               request: gr.Request = None, progress=gr.Progress()):
         session = request.session_hash if request is not None else None
@@ -571,6 +581,7 @@ def lower_page() -> dict:
                     options={**(options or {}), **user_options(group_size)},
                     generate=not export_only, layer_map=bool(layer_map),
                     weights_file=True if weights_file else None,  # unticked: the size decides
+                    calibration_file=Path(calibration_file) if calibration_file else None,
                 )
                 summary = run_job(run_request, session or job.name, lambda f, m: progress(f, desc=m))
         except UserFacingError as err:
@@ -640,6 +651,7 @@ def lower_page() -> dict:
                                                         "unticked: above 2 GiB of program)")
                 option_inputs = option_fields(option_defaults)
                 algorithm, budget, layer_map = quant_controls()
+                calibration_file = calibration_upload()
                 kv_cache, kv_window = kv_cache_controls()
             choices = [*recipe_lists, *option_inputs, algorithm, budget, kv_cache, kv_window]
             # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
@@ -681,7 +693,7 @@ def lower_page() -> dict:
     ).success(
         lower,
         [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
-         group_size, options_box, export_only, layer_map, weights_file],
+         group_size, options_box, export_only, layer_map, weights_file, calibration_file],
         [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
          results, decision, decision_note],
         api_name="lower", show_progress_on=[status],
@@ -711,7 +723,7 @@ def main(argv: list[str] | None = None) -> None:
     demo = build_app()
     demo.queue(default_concurrency_limit=int(os.environ.get("LOWERBENCH_CONCURRENCY", "2")))
     demo.launch(server_name=args.host, server_port=args.port, allowed_paths=[str(root)], css=CSS,
-                show_error=True)
+                show_error=True, max_file_size=MAX_CALIBRATION_FILE_BYTES)  # the only upload
 
 
 if __name__ == "__main__":

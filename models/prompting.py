@@ -5,13 +5,16 @@ from __future__ import annotations
 def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
     """Chat models get their chat template; plain models get the raw prompt."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tokenizer.encode(prompt)
+
+
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """A chat ([{role, content}, ...]) through the tokenizer's own chat template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def stop_token_ids(tokenizer, eos_token_ids=()) -> set[int]:

@@ -10,6 +10,7 @@ from typing import Callable, ContextManager
 from models.errors import UserFacingError
 from quant.algorithms import ALGORITHMS, UNAVAILABLE
 from quant.calibration import CALIBRATION_TOKENS, calibration_windows, describe_calibration
+from quant.calibration_file import CalibrationFile
 from quant.mixed_precision import choose_8bit_units, linear_weight_bytes
 from quant.schemes import SCHEMES, apply_scheme_by_rows, prepare_for_scheme, quant_args, search_config
 
@@ -61,12 +62,25 @@ def recipe_algorithm(scheme: str, options: dict) -> str:
     return quant_args(scheme, algorithm=options.get("quant_algorithm")).algorithm
 
 
+def calibration_tokens_read(scheme: str, options: dict) -> int | None:
+    """The calibration tokens a recipe reads (None: none): its algorithm's, the mixed-precision search's, or a
+    PT2E scheme's calibration calls'. A calibration file shorter than this is refused."""
+    algorithm = ALGORITHMS[recipe_algorithm(scheme, options)]
+    if algorithm.calibrated:
+        return algorithm.calibration_tokens
+    if float(options.get("mixed_precision_budget") or 0.0) or SCHEMES[scheme].quantize_exported is not None:
+        return CALIBRATION_TOKENS
+    return None
+
+
 def _search_products(algorithm) -> str | None:
     return algorithm.search_products() if algorithm.search_products else None
 
 
-def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: int) -> tuple[dict, dict]:
-    """In place. Returns (report section, seconds by part)."""
+def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: int,
+                    calibration_file: CalibrationFile | None = None) -> tuple[dict, dict]:
+    """In place. Returns (report section, seconds by part). calibration_file: a tokenized one read in place of the
+    built-in calibration text."""
     spec = SCHEMES[scheme]
     name = recipe_algorithm(scheme, options)
     algorithm = ALGORITHMS[name]
@@ -76,11 +90,13 @@ def quantize_module(module, scheme: str, options: dict, tokenizer, max_seq_len: 
     windows = searched = []
     if algorithm.calibrated or budget:
         tokens = algorithm.calibration_tokens or CALIBRATION_TOKENS
-        windows = calibration_windows(tokenizer, max_seq_len, tokens)
+        windows = calibration_windows(tokenizer, max_seq_len, tokens, calibration_file)
         # a search (the fp32 transform's, the mixed-precision one) reads the default count, however many GPTQ reads
         searches = algorithm.prepare_module is not None or budget
-        searched = calibration_windows(tokenizer, max_seq_len) if searches and tokens != CALIBRATION_TOKENS else windows
-        section["calibration"] = describe_calibration(windows, searched, _search_products(algorithm))
+        searched = (calibration_windows(tokenizer, max_seq_len, file=calibration_file)
+                    if searches and tokens != CALIBRATION_TOKENS else windows)
+        section["calibration"] = describe_calibration(windows, searched, _search_products(algorithm),
+                                                      calibration_file)
     args = quant_args(scheme, options.get("group_size"), name, windows)
     started = time.perf_counter()
     prepare_for_scheme(module, scheme, replace(args, calibration=tuple(searched)))
@@ -136,7 +152,8 @@ class UnitQuantizer:
 
     def __init__(self, scheme: str, options: dict, tokenizer, max_seq_len: int,
                  around_search: Callable[[], ContextManager] = contextlib.nullcontext,
-                 around_scheme: Callable[[], ContextManager] = contextlib.nullcontext):
+                 around_scheme: Callable[[], ContextManager] = contextlib.nullcontext,
+                 calibration_file: CalibrationFile | None = None):
         if not quantizes_by_unit(scheme, options):
             raise ValueError(f"{scheme} with {options} quantizes the whole float module: use quantize_module")
         self.scheme, self.group_size = scheme, options.get("group_size")
@@ -153,9 +170,10 @@ class UnitQuantizer:
         self.around_scheme = around_scheme
         if transforms_by_unit(scheme, options):
             algorithm = ALGORITHMS[self.algorithm]
-            windows = calibration_windows(tokenizer, max_seq_len) if algorithm.calibrated else []
+            windows = calibration_windows(tokenizer, max_seq_len, file=calibration_file) if algorithm.calibrated else []
             if algorithm.calibrated:
-                self.calibration = describe_calibration(windows, search_products=_search_products(algorithm))
+                self.calibration = describe_calibration(windows, search_products=_search_products(algorithm),
+                                                        file=calibration_file)
             self.transform = algorithm.prepare_by_unit(search_config(scheme, self.group_size), windows)
 
     def __call__(self, unit, module) -> None:

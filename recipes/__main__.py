@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="keep at 8da8w the linears (of the decoder layers, and the output layer) that bring "
                           "the logits closest to fp32 per byte, within this extra fraction of weight bytes per "
                           "token, e.g. 0.1 for +10 %% (8da4w schemes)")
+    run.add_argument("--calibration-file", type=Path, default=None, metavar="PATH",
+                     help="your own calibration text in place of the built-in one, for AWQ, GPTQ, the "
+                          "mixed-precision search and the PT2E (QNN) recipes: UTF-8 text, or a .jsonl file with a "
+                          "chat a line ({\"messages\": [{\"role\", \"content\"}, ...]}), formatted with the "
+                          "model's chat template; the fidelity texts stay the same")
     run.add_argument("--kv-cache", choices=("fp32", "fp16", "int8"), default=None,
                      help="how the KV caches are stored: fp32, fp16, or int8 per token and head, read by "
                           "ExecuTorch's quantized SDPA (XNNPACK recipes; default: as the model computes)")
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
         temperature=args.temperature, top_p=args.top_p, options=options, generate=not args.export_only,
         profile=args.profile, etrecord=args.etrecord, layer_map=args.layer_map, weights_file=args.weights_file,
+        calibration_file=args.calibration_file,
     )
     try:
         with runtime_log_to(Path(args.out) / LOG_NAME):  # ExecuTorch's C++ log beside the reports, not on the terminal

@@ -9,7 +9,8 @@ from models.sources.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.module_options import ATTENTION_SINK_TOKENS
 from models.prompting import prompt_token_ids
-from quant.quantize import check_options
+from quant.calibration_file import CalibrationFile, read_calibration_file
+from quant.quantize import calibration_tokens_read, check_options
 from quant.schemes import check_group_size, check_group_size_fits, scheme_options
 from recipes.running.generate import DEFAULT_PROMPT
 from recipes.registry import Recipe, load_backends
@@ -46,6 +47,9 @@ class RunRequest:
     # The delegates' weights in model.ptd beside model.pte (ExecuTorch's data file) where the backend can write
     # one: True always, False never, None above a size (recipes/pipeline/run.py: writes_data_file).
     weights_file: bool | None = None
+    # The user's calibration text (UTF-8, or .jsonl chats: quant/calibration_file.py) in place of the built-in
+    # one, for the recipes that read calibration; the fidelity texts stay the same, so recipes still compare.
+    calibration_file: Path | None = None
 
 
 def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None, kv_cache=None,
@@ -157,3 +161,42 @@ def check_prompt_fits(checkpoint: Checkpoint, request: RunRequest) -> None:
             f"the prompt is {prompt_tokens} tokens; with {request.max_new_tokens} new tokens it does not fit in the "
             f"max context of {request.max_seq_len}; shorten the prompt, lower max new tokens or raise max context."
         )
+
+
+def read_request_calibration(request: RunRequest, recipes: list[Recipe], options: dict) -> CalibrationFile | None:
+    """The request's calibration file read and checked (None without one), before anything is loaded: refused
+    when it is unreadable, not text, malformed, or when none of the recipes reads calibration. options: recipe
+    name -> its options."""
+    if request.calibration_file is None:
+        return None
+    file = read_calibration_file(request.calibration_file)
+    if not calibration_readers(recipes, options):
+        raise UserFacingError(
+            f"no chosen recipe reads a calibration text ({', '.join(r.name for r in recipes)}); a calibration file "
+            "is read by AWQ and GPTQ (--quant-algorithm), the mixed-precision search and the PT2E (QNN) recipes. "
+            "Choose one of those, or leave the calibration file out."
+        )
+    return file
+
+
+def calibration_readers(recipes: list[Recipe], options: dict) -> dict[str, int]:
+    """Recipe name -> the calibration tokens it reads, for the recipes that read any."""
+    read = {recipe.name: calibration_tokens_read(recipe.quantization, options[recipe.name]) for recipe in recipes}
+    return {name: tokens for name, tokens in read.items() if tokens is not None}
+
+
+def tokenized_calibration(file: CalibrationFile | None, tokenizer, recipes: list[Recipe],
+                          options: dict) -> CalibrationFile | None:
+    """The calibration file's tokens by the model's tokenizer, refused (before any quantization) when they are
+    fewer than a recipe's algorithm reads."""
+    if file is None:
+        return None
+    file = file.tokenized(tokenizer)
+    short = {name: tokens for name, tokens in calibration_readers(recipes, options).items() if len(file.ids) < tokens}
+    if short:
+        needed = ", ".join(f"{name}: {tokens}" for name, tokens in short.items())
+        raise UserFacingError(
+            f"calibration file {file.name!r} is {len(file.ids)} tokens by this model's tokenizer, fewer than its "
+            f"recipes read ({needed}); give a longer text, or leave the file out to use the built-in one."
+        )
+    return file

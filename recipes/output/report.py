@@ -318,12 +318,16 @@ def _generation(data: dict, strict: bool) -> Generation:
 
 @dataclass
 class QuantCalibration(Section):
-    """quantization.calibration: the text a calibrated algorithm read (quant/calibration.py)."""
+    """quantization.calibration: the text a calibrated algorithm read (quant/calibration.py): the built-in one, or
+    the user's calibration file (quant/calibration_file.py)."""
     text: str | None = None
     tokens: int | None = None
     search_tokens: int | None = optional()  # what AWQ's and the mixed-precision search read, when fewer
     # the dtype AWQ's search multiplied its candidates in: bf16 where the CPU has bf16 instructions, else fp32
     search_products: str | None = optional()
+    file: str | None = optional()  # the calibration file's name, never its path
+    file_tokens: int | None = optional()  # all of its tokens by the model's tokenizer (tokens: those read)
+    file_sha256: str | None = optional()  # of its bytes
 
 
 @dataclass

@@ -15,7 +15,8 @@ from models.sources.checkpoint import Checkpoint
 from models.errors import UserFacingError
 from models.llama import build_exportable
 from models.prompting import stop_token_ids
-from quant.calibration import calibration_inputs
+from quant.calibration import calibration_inputs, describe_calibration, file_calibration_inputs
+from quant.calibration_file import CalibrationFile
 from quant.quantize import UnitQuantizer, cast_quantized, quantize_module, quantizes_by_unit
 from quant.schemes import SCHEMES
 from recipes.process import malloc_policy
@@ -25,19 +26,21 @@ from recipes.lowering.llm_metadata import llm_metadata
 from recipes.lowering.lower import LoweredProgram, Lowering, export_program, lower_for_backend
 from recipes.registry import Recipe
 from recipes.lowering.static_program import export_methods, static_form
-from recipes.output.report import Pt2eCalibration, Quantization
+from recipes.output.report import Pt2eCalibration, QuantCalibration, Quantization
 from recipes.request import preparation_key
 from recipes.pipeline.stages import Figures, Stages
 
 
 @dataclass(frozen=True)
 class RecipeJob:
-    """What one recipe's program is made from: the recipe, its options (request.recipe_options), the checkpoint
-    and the context the program is made for."""
+    """What one recipe's program is made from: the recipe, its options (request.recipe_options), the checkpoint,
+    the context the program is made for and the user's tokenized calibration file, if any (one per job, so it
+    takes no part in which recipes share a quantization)."""
     recipe: Recipe
     options: dict
     checkpoint: Checkpoint
     max_seq_len: int
+    calibration_file: CalibrationFile | None = None
 
     @property
     def key(self) -> tuple:
@@ -141,13 +144,30 @@ def _prepare(job: RecipeJob, through: Through) -> tuple[torch.nn.Module, torch.e
     if scheme.quantize_exported is not None:
         with stages.stage(f"calibrating and converting ({recipe.quantization}) for {recipe.name}", figures,
                           "quantize"):
-            inputs = calibration_inputs(job.checkpoint.tokenizer, max_seq_len)
+            inputs = _pt2e_inputs(job)
             program, module = quantize_exported(recipe, program, inputs, options, max_seq_len)
-        figures.timings.calibration = Pt2eCalibration(prompts=len(inputs),
-                                                      source="quant/calibration.py built-in prompts")
+        figures.timings.calibration = Pt2eCalibration(prompts=len(inputs), source=_pt2e_source(job, inputs))
+        if job.calibration_file is not None and quantization.calibration is None:
+            quantization.calibration = QuantCalibration.from_dict(
+                describe_calibration([tokens for tokens, _ in inputs], file=job.calibration_file), strict=True)
     else:
         prepared[key] = Prepared(module, recipe.name, quantization)
     return module, program, quantization
+
+
+def _pt2e_inputs(job: RecipeJob) -> list:
+    """The calls a PT2E scheme's observers see: the built-in prompts, or windows of the calibration file."""
+    if job.calibration_file is None:
+        return calibration_inputs(job.checkpoint.tokenizer, job.max_seq_len)
+    call_tokens = job.recipe.export_options(job.max_seq_len, job.options).call_tokens
+    return file_calibration_inputs(job.calibration_file, min(call_tokens, job.max_seq_len - 1))
+
+
+def _pt2e_source(job: RecipeJob, inputs: list) -> str:
+    if job.calibration_file is None:
+        return "quant/calibration.py built-in prompts"
+    tokens = sum(tokens.shape[1] for tokens, _ in inputs)
+    return f"{job.calibration_file.describe}: its first {tokens} tokens, one call a window"
 
 
 def _export(recipe: Recipe, module: torch.nn.Module, options: dict, max_seq_len: int):
@@ -166,14 +186,16 @@ def _quantized_module(job: RecipeJob, figures: Figures) -> tuple[torch.nn.Module
         # the quantized units kept between AWQ's searches must not pin the blocks a search frees
         quantizer = UnitQuantizer(recipe.quantization, options, checkpoint.tokenizer, max_seq_len,
                                   around_search=malloc_policy.reusing_large_blocks,
-                                  around_scheme=malloc_policy.keeping_freed_heap)
+                                  around_scheme=malloc_policy.keeping_freed_heap,
+                                  calibration_file=job.calibration_file)
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options, transform_unit=quantizer,
                                   output_first=True)
         section, seconds = quantizer.section(module), quantizer.seconds
     else:
         module = build_exportable(checkpoint.config, checkpoint.state_dict, export_options)
         with malloc_policy.reusing_large_blocks():  # AWQ's and mixed precision's passes over the calibration text
-            section, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer, max_seq_len)
+            section, seconds = quantize_module(module, recipe.quantization, options, checkpoint.tokenizer, max_seq_len,
+                                               job.calibration_file)
     figures.timings.add_parts(seconds)
     return cast_quantized(module, recipe.quantization), Quantization.from_dict(section, strict=True)
 

@@ -16,6 +16,7 @@ import torch
 from models.sources.checkpoint import Checkpoint, load_checkpoint
 from models.llama import ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
 from models.module_options import ATTENTION_SINK_TOKENS
+from quant.calibration_file import CalibrationFile
 from quant.layer_error import eager_layer_outputs
 from recipes.evaluation import fidelity
 from recipes.running import llm_runner
@@ -36,8 +37,8 @@ from recipes.files.pte_program import PTD_NAME, PTE_NAME
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.output.report import (Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
                             ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
-from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, recipe_options,
-                             validate_request)
+from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, read_request_calibration,
+                             recipe_options, tokenized_calibration, validate_request)
 from recipes.pipeline.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
 from recipes.output.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
 from recipes.files.tokenizer_files import tokenizer_files
@@ -60,6 +61,7 @@ class _Job:
     shared: Figures  # the stages before any recipe's
     versions: dict[str, str | None]
     tokenizer_files: dict[str, bytes]
+    calibration_file: CalibrationFile | None = None  # tokenized; None: the built-in calibration
     reference: Generation | None = None
     eval_reference: fidelity.EvalReference | None = None
     prepared: dict[tuple, Prepared] = field(default_factory=dict)  # quantized modules a later recipe shares
@@ -74,6 +76,7 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     recipes = [get_recipe(name) for name in request.recipes]
     validate_request(request, recipes)
     options = {recipe.name: recipe_options(recipe, request.options) for recipe in recipes}
+    calibration_file = read_request_calibration(request, recipes, options)
     stages, shared = Stages(progress, cancel, total=3 + 7 * len(recipes)), Figures()
     memory = JobEstimateCheck(recipes, request.max_seq_len, request.generate, options, request.layer_map)
 
@@ -85,8 +88,9 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         checkpoint = load_checkpoint(request.model, revision=request.revision, token=request.token,
                                      allow_pickle=request.allow_pickle, progress=progress, check_config=check_config)
     check_prompt_fits(checkpoint, request)
+    calibration_file = tokenized_calibration(calibration_file, checkpoint.tokenizer, recipes, options)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
-               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer))
+               package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer), calibration_file)
     if request.generate:
         _reference(job)
     job.shared_s = time.perf_counter() - started
@@ -164,7 +168,7 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     A failing recipe records why in its report and ships no .pte; the job's other recipes still run."""
     request, started = job.request, time.perf_counter()
     figures = copy.deepcopy(job.shared)
-    target = RecipeJob(recipe, options, job.checkpoint, request.max_seq_len)
+    target = RecipeJob(recipe, options, job.checkpoint, request.max_seq_len, job.calibration_file)
     made, errors = _lower(job, target, recipe_dir, target.key in needed_later, figures)
     described = {**options, **recipe.backend.describe_options(options)} if made.stage == "lower" else dict(options)
     measured = _Measured()

@@ -20,6 +20,12 @@ from models.prompting import chat_token_ids
 # checkpoint, a dump) from being read into memory whole.
 MAX_CALIBRATION_FILE_BYTES = 64 * 2**20
 JSONL_SUFFIX = ".jsonl"
+# A long enough file also gives a fidelity figure on its own kind of text: its last fifth, past every token
+# calibration read, when that is at least HELDOUT_MIN_TOKENS (fewer make a noisy perplexity), and at most
+# HELDOUT_MAX_TOKENS, because the reference keeps a vocabulary-wide row of logits per token scored.
+HELDOUT_FRACTION = 0.2
+HELDOUT_MIN_TOKENS = 256
+HELDOUT_MAX_TOKENS = 1024
 FORMS = "a UTF-8 text file, or a .jsonl file of chats (one {\"messages\": [{\"role\", \"content\"}, ...]} a line)"
 
 
@@ -40,6 +46,18 @@ class CalibrationFile:
         if self.chat_count:
             return f"{self.name} (calibration file: {self.chat_count} chats, each in the model's chat template)"
         return f"{self.name} (calibration file: plain text)"
+
+    def heldout_ids(self, read_tokens: int) -> list[int]:
+        """The tokenized file's held-out slice: its last HELDOUT_FRACTION, none of its first read_tokens (what
+        calibration read), at most its last HELDOUT_MAX_TOKENS; [] when fewer than HELDOUT_MIN_TOKENS remain."""
+        start = max(read_tokens, len(self.ids) - int(len(self.ids) * HELDOUT_FRACTION))
+        ids = list(self.ids[start:])[-HELDOUT_MAX_TOKENS:]
+        return ids if len(ids) >= HELDOUT_MIN_TOKENS else []
+
+    def heldout_describe(self, tokens: int) -> str:
+        """What the report's fidelity.calibration_heldout.text says of the slice."""
+        return f"{self.name}: its last {tokens} tokens, held out of calibration (not a fixed text: recipes compare " \
+               "on fidelity and fidelity.heldout)"
 
     def tokenized(self, tokenizer) -> CalibrationFile:
         """Its tokens by the model's tokenizer: the plain text as the built-in text is read (no special tokens

@@ -210,15 +210,61 @@ def test_the_calibration_section_round_trips_and_stays_as_before_without_a_file(
         == json.dumps(with_file)
 
 
-def test_an_export_only_job_reports_its_calibration_file(tiny_llama_dir, tmp_path):
+def test_the_held_out_slice_is_the_files_end_past_what_calibration_read():
+    from quant.calibration_file import HELDOUT_MAX_TOKENS, CalibrationFile
+
+    def slice_of(tokens: int, read: int = 512) -> list[int]:
+        return CalibrationFile("notes.txt", "0" * 64, ids=tuple(range(tokens))).heldout_ids(read)
+
+    assert slice_of(2000) == list(range(1600, 2000))  # the last fifth
+    assert slice_of(1400) == list(range(1120, 1400))
+    assert slice_of(600) == []  # 88 tokens past the 512 read: too few for a figure
+    assert slice_of(12000, read=8192) == list(range(12000 - HELDOUT_MAX_TOKENS, 12000))
+
+
+def test_a_recipe_is_scored_on_the_calibration_files_held_out_slice_labelled_as_such(tiny_checkpoint, tmp_path):
+    from models.llama import ExportOptions, build_exportable
+    from quant.calibration_file import read_calibration_file
+    from recipes.evaluation import fidelity
+    from recipes.output.report import Fidelity
+    from recipes.running.generate import eager_step
+
+    file = read_calibration_file(_text_file(tmp_path)).tokenized(tiny_checkpoint.tokenizer)
+    heldout = file.heldout_ids(512)
+    module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict,
+                              ExportOptions(64, attention="sdpa"), tie_output=True)
+    step = eager_step(module)
+    texts = [fidelity.eval_token_ids(tiny_checkpoint.tokenizer, text)[:200]
+             for text in (fidelity.EVAL_TEXT, fidelity.HELDOUT_TEXT)]
+    scored = [fidelity.score_text(step, ids, 64) for ids in (*texts, heldout)]
+    reference = fidelity.EvalReference("eager-fp32", *scored[:2])
+    assert "calibration_heldout" not in fidelity.recipe_fidelity(step, "eager-fp32", "fp32", 64, reference).to_dict()
+
+    reference.calibration_heldout, reference.calibration_heldout_text = scored[2], file.heldout_describe(len(heldout))
+    found = fidelity.recipe_fidelity(step, "eager-fp32", "fp32", 64, reference)
+    figures = found.calibration_heldout
+    assert figures.positions == len(scored[2].targets) and figures.perplexity_ratio == 1.0
+    assert figures.text == (f"calibration.txt: its last {len(heldout)} tokens, held out of calibration (not a fixed "
+                            "text: recipes compare on fidelity and fidelity.heldout)")
+    written = found.to_dict()
+    assert list(written)[-1] == "calibration_heldout" and Fidelity.from_dict(written) == found
+
+
+def test_a_job_records_its_calibration_file_and_scores_its_held_out_slice(tiny_llama_dir, tmp_path):
     from recipes.pipeline.run import run
     from recipes.request import RunRequest
 
     path = _text_file(tmp_path, name="my notes.txt")
     summary = run(RunRequest(["xnnpack-8da4w"], tmp_path / "out", model=str(tiny_llama_dir), max_seq_len=64,
-                             generate=False, profile=False, calibration_file=path))
-    calibration = json.loads((tmp_path / "out" / "report.json").read_text())["quantization"]["calibration"]
+                             max_new_tokens=4, profile=False, calibration_file=path))
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    calibration = report["quantization"]["calibration"]
     assert calibration["file"] == "my notes.txt" and str(tmp_path) not in json.dumps(calibration)
     assert calibration["file_tokens"] == len(SENTENCE.split()) * 200 and calibration["tokens"] == 512
     assert calibration["file_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert summary.recipes[0].quantization.calibration.file_sha256 == calibration["file_sha256"]
+    fidelity = report["fidelity"]
+    assert fidelity["text"].startswith("quant/eval_text.txt") and fidelity["heldout"]["text"].startswith(
+        "quant/eval_text_heldout.txt")  # the fixed texts stay, so recipes compare
+    assert fidelity["calibration_heldout"]["text"].startswith("my notes.txt: its last 560 tokens, held out")
+    assert fidelity["calibration_heldout"]["perplexity_ratio"] > 0

@@ -1,7 +1,8 @@
 """How far a recipe's model is from fp32: on the shipped evaluation text (quant/eval_text.txt, the opening
 of Jane Austen's Pride and Prejudice, 1813, public domain), perplexity of the fp32 eager reference and
 of the recipe's model, top-1 next-token agreement with fp32, and mean KL(fp32 || recipe); the same figures
-on a held-out second text (quant/eval_text_heldout.txt), so tuning on the first shows up on the second.
+on a held-out second text (quant/eval_text_heldout.txt), so tuning on the first shows up on the second; and, with
+a long enough calibration file of the user's, on its end that calibration did not read.
 Logits come from the same step functions as generation (recipes/running/generate.py): the text is prefilled in
 windows of at most max_seq_len tokens, each from position 0, and the program returns every position's logits."""
 from __future__ import annotations
@@ -146,11 +147,14 @@ def score_text(step: Callable, ids: list[int], max_seq_len: int) -> ScoredText:
 @dataclass
 class EvalReference:
     """What a job's recipes are measured against: the reference engine's scores on both texts and, for the layer
-    map, each decoder layer's output on the evaluation text."""
+    map, each decoder layer's output on the evaluation text; with a calibration file, its held-out slice's scores
+    and what the report calls it."""
     engine: str
     eval: ScoredText
     heldout: ScoredText
     layers: list[torch.Tensor] | None = None
+    calibration_heldout: ScoredText | None = None
+    calibration_heldout_text: str | None = None
 
 
 def recipe_fidelity(step: Callable, engine: str, scheme: str, max_seq_len: int, reference: EvalReference) -> Fidelity:
@@ -162,4 +166,9 @@ def recipe_fidelity(step: Callable, engine: str, scheme: str, max_seq_len: int, 
     found.heldout = heldout_report(
         compare_step(step, heldout.ids, max_seq_len, heldout.logits, heldout.targets), len(heldout.targets))
     found.reference_engine = reference.engine
+    if reference.calibration_heldout is not None:
+        scored = reference.calibration_heldout
+        found.calibration_heldout = Heldout(
+            text=reference.calibration_heldout_text, positions=len(scored.targets),
+            **compare_step(step, scored.ids, max_seq_len, scored.logits, scored.targets))
     return found

@@ -371,7 +371,8 @@ class StageError(Section):
 
 @dataclass
 class Heldout(Section):
-    """fidelity.heldout: the same figures on a second text no algorithm was tuned on (recipes/evaluation/fidelity.py)."""
+    """fidelity.heldout: the same figures on a second text no algorithm was tuned on (recipes/evaluation/fidelity.py);
+    fidelity.calibration_heldout: on the held-out end of the user's calibration file, when it is long enough."""
     text: str | None = None
     positions: int | None = None
     perplexity_fp32: float | None = None
@@ -419,6 +420,7 @@ class Fidelity(Section):
     heldout: Heldout | None = section(_loader(Heldout))
     reference_engine: str | None = None
     layers: LayerMap | None = section(_loader(LayerMap))  # None when no map was asked for
+    calibration_heldout: Heldout | None = optional(load=_loader(Heldout))  # with a long enough calibration file
     error: StageError | None = optional(load=_loader(StageError))
 
     def to_dict(self) -> dict:

@@ -37,8 +37,8 @@ from recipes.files.pte_program import PTD_NAME, PTE_NAME
 from recipes.registry import Recipe, backend_packages, get_recipe
 from recipes.output.report import (Fidelity, Generation, JobSummary, KvCache, LayerMap, LlmMetadata, Memory,
                             ModelInfo, Pte, RecipeInfo, Report, StageError, Threads, package_versions)
-from recipes.request import (RunRequest, check_limits, check_prompt_fits, preparation_key, read_request_calibration,
-                             recipe_options, tokenized_calibration, validate_request)
+from recipes.request import (RunRequest, calibration_readers, check_limits, check_prompt_fits, preparation_key,
+                             read_request_calibration, recipe_options, tokenized_calibration, validate_request)
 from recipes.pipeline.stages import Cancelled, Figures, Progress, Stages, peak_rss_mb
 from recipes.output.summary import REFERENCE_ENGINES as REFERENCE_ENGINE_NAMES, summary_rows
 from recipes.files.tokenizer_files import tokenizer_files
@@ -62,6 +62,7 @@ class _Job:
     versions: dict[str, str | None]
     tokenizer_files: dict[str, bytes]
     calibration_file: CalibrationFile | None = None  # tokenized; None: the built-in calibration
+    calibration_heldout: list[int] = field(default_factory=list)  # its held-out slice's ids, when long enough
     reference: Generation | None = None
     eval_reference: fidelity.EvalReference | None = None
     prepared: dict[tuple, Prepared] = field(default_factory=dict)  # quantized modules a later recipe shares
@@ -91,6 +92,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
     calibration_file = tokenized_calibration(calibration_file, checkpoint.tokenizer, recipes, options)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,
                package_versions(backend_packages()), tokenizer_files(checkpoint.tokenizer), calibration_file)
+    if calibration_file is not None:
+        job.calibration_heldout = calibration_file.heldout_ids(max(calibration_readers(recipes, options).values()))
     if request.generate:
         _reference(job)
     job.shared_s = time.perf_counter() - started
@@ -115,6 +118,8 @@ def _reference(job: _Job) -> None:
     request, checkpoint = job.request, job.checkpoint
     texts = (fidelity.EVAL_TEXT, fidelity.HELDOUT_TEXT)
     eval_ids = [fidelity.eval_token_ids(checkpoint.tokenizer, text) for text in texts]
+    if job.calibration_heldout:
+        eval_ids.append(job.calibration_heldout)  # scored by each recipe beside the two fixed texts
     if job.memory.estimate:  # again with the texts' token counts by this tokenizer, before the reference is built
         job.memory(checkpoint.config, [len(ids) for ids in eval_ids])
     estimate = job.memory.estimate
@@ -126,7 +131,7 @@ def _reference(job: _Job) -> None:
         with job.stages.stage(f"{engine} reference logits on the evaluation texts, one layer at a time", job.shared,
                               "reference_fidelity"):
             scored = layer_major_scores(checkpoint.config, checkpoint.state_dict, eval_ids, request.max_seq_len)
-            job.eval_reference = fidelity.EvalReference(engine, *scored)
+            job.eval_reference = _eval_reference(job, engine, scored)
         return
     with job.stages.stage(f"generating with the {engine} reference", job.shared, "reference_generation"):
         module = build_exportable(
@@ -141,9 +146,18 @@ def _reference(job: _Job) -> None:
         scored = [fidelity.score_text(gen.eager_step(module), ids, request.max_seq_len) for ids in eval_ids]
         layers = (eager_layer_outputs(module, windows_of(eval_ids[0], request.max_seq_len)) if request.layer_map
                   else None)
-        job.eval_reference = fidelity.EvalReference(engine, *scored, layers=layers)
+        job.eval_reference = _eval_reference(job, engine, scored, layers)
     del module
     gc.collect()  # a parametrized module (models/compute_dtype.py) is freed by the cycle collector only
+
+
+def _eval_reference(job: _Job, engine: str, scored: list[fidelity.ScoredText], layers=None) -> fidelity.EvalReference:
+    """The reference's scores on both fixed texts and, when there is one, on the calibration file's held-out slice."""
+    reference = fidelity.EvalReference(engine, *scored[:2], layers=layers)
+    if job.calibration_heldout:
+        reference.calibration_heldout = scored[2]
+        reference.calibration_heldout_text = job.calibration_file.heldout_describe(len(job.calibration_heldout))
+    return reference
 
 
 def _generate(step, engine: str, job: _Job) -> Generation:

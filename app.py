@@ -82,6 +82,18 @@ def choose_model(source: str, hub_repo: str, local_path: str) -> str | None:
     return None
 
 
+def choose_adapter(adapter: str) -> str | None:
+    """The Advanced tab's LoRA adapter: a Hub repo id, or a local folder where local paths are allowed."""
+    adapter = (adapter or "").strip()
+    if not adapter:
+        return None
+    if os.environ.get("LOWERBENCH_ALLOW_LOCAL_PATHS", "0" if ON_SPACE else "1") != "1":
+        check_repo_id(adapter)  # a Hub id only: a path must not reach the local-folder branch
+        if Path(adapter).expanduser().exists():
+            raise UserFacingError("local paths are disabled on this server; give the adapter's Hub repo id.")
+    return adapter
+
+
 def op_rows(summary: JobSummary) -> list[dict]:
     rows = []
     for report in summary.recipes:
@@ -567,11 +579,12 @@ def lower_page() -> dict:
 
     def lower(source, hub_repo, revision, local_path, token, recipes, prompt, max_new_tokens, max_seq_len,
               group_size, options, export_only=False, layer_map=False, weights_file=False, calibration_file=None,
-              oauth_token: gr.OAuthToken | None = None,
+              adapter="", adapter_revision="", oauth_token: gr.OAuthToken | None = None,
               request: gr.Request = None, progress=gr.Progress()):
         session = request.session_hash if request is not None else None
         try:
             model = choose_model(source, hub_repo, local_path)
+            adapter = choose_adapter(adapter)
             with job_folder() as job:  # a failed or cancelled job leaves nothing behind
                 run_request = RunRequest(
                     recipes=list(recipes or []), out_dir=job, model=model,
@@ -582,6 +595,7 @@ def lower_page() -> dict:
                     generate=not export_only, layer_map=bool(layer_map),
                     weights_file=True if weights_file else None,  # unticked: the size decides
                     calibration_file=Path(calibration_file) if calibration_file else None,
+                    adapter=adapter, adapter_revision=(adapter_revision or "").strip() or None,
                 )
                 summary = run_job(run_request, session or job.name, lambda f, m: progress(f, desc=m))
         except UserFacingError as err:
@@ -653,6 +667,10 @@ def lower_page() -> dict:
                 algorithm, budget, layer_map = quant_controls()
                 calibration_file = calibration_upload()
                 kv_cache, kv_window = kv_cache_controls()
+                with gr.Row():
+                    adapter = gr.Textbox(label="LoRA adapter (local folder or Hub repo id; merged before "
+                                               "quantization)", placeholder="none")
+                    adapter_revision = gr.Textbox(label="Adapter revision", placeholder="main")
             choices = [*recipe_lists, *option_inputs, algorithm, budget, kv_cache, kv_window]
             # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
             picked, picked_options = ticked(*[c.value for c in choices])
@@ -693,7 +711,7 @@ def lower_page() -> dict:
     ).success(
         lower,
         [source, hub_repo, revision, local_path, token, recipes_box, prompt, max_new_tokens, max_seq_len,
-         group_size, options_box, export_only, layer_map, weights_file, calibration_file],
+         group_size, options_box, export_only, layer_map, weights_file, calibration_file, adapter, adapter_revision],
         [status, summary_table, chart, op_table, op_filter, generations, files, push_recipe, ops_state, dirs_state,
          results, decision, decision_note],
         api_name="lower", show_progress_on=[status],

@@ -21,6 +21,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one or more recipes")
     run.add_argument("--model", help="Hub repo id, local folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     run.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    run.add_argument("--adapter", metavar="PATH_OR_REPO",
+                     help="a PEFT LoRA adapter (local folder or Hub repo id) merged into the weights before "
+                          "quantization")
+    run.add_argument("--adapter-revision", metavar="REV", help="the adapter's Hub revision (branch, tag or commit)")
     run.add_argument("--recipe", action="append", required=True, help="recipe name; repeat for several")
     run.add_argument("--out", required=True, type=Path, help="output folder")
     run.add_argument("--prompt", default=None)
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature, top_p=args.top_p, options=options, generate=not args.export_only,
         profile=args.profile, etrecord=args.etrecord, layer_map=args.layer_map, weights_file=args.weights_file,
         calibration_file=args.calibration_file,
+        adapter=args.adapter, adapter_revision=args.adapter_revision,
     )
     try:
         with runtime_log_to(Path(args.out) / LOG_NAME):  # ExecuTorch's C++ log beside the reports, not on the terminal

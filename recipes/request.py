@@ -50,6 +50,10 @@ class RunRequest:
     # The user's calibration text (UTF-8, or .jsonl chats: quant/calibration_file.py) in place of the built-in
     # one, for the recipes that read calibration; the fidelity texts stay the same, so recipes still compare.
     calibration_file: Path | None = None
+    # A PEFT LoRA adapter (a local folder or a Hub repo id, at adapter_revision) merged into the weights before
+    # quantization (models/sources/adapter.py).
+    adapter: str | None = None
+    adapter_revision: str | None = None
 
 
 def user_options(group_size=None, quant_algorithm=None, mixed_precision_budget=None, kv_cache=None,
@@ -107,6 +111,9 @@ def validate_request(request: RunRequest, recipes: list[Recipe]) -> None:
         )
     if not request.prompt.strip():
         raise UserFacingError("the prompt is empty; type a prompt.")
+    if request.adapter_revision and not request.adapter:
+        raise UserFacingError("an adapter revision is given without an adapter; name the adapter (--adapter) or "
+                              "leave the revision out.")
     # The app sends every backend's options with every job; each recipe takes those it has. A name no recipe
     # takes is a mistake (a typo would otherwise be dropped silently).
     known = {key for recipe in load_backends().recipes.values() for key in recipe_defaults(recipe)}

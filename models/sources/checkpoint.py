@@ -1,6 +1,6 @@
 """Resolve what the user named (nothing, a Hub repo id, a local folder, a .gguf file) into a Checkpoint:
-a Llama config, its weights and its tokenizer. Nothing here writes outside the HF cache and, for the
-built-in model, its converted folder (models/sources/builtin.py).
+a Llama config, its weights (with a LoRA adapter merged in, when one is named) and its tokenizer. Nothing here
+writes outside the HF cache and, for the built-in model, its converted folder (models/sources/builtin.py).
 
 Safetensors weights stay on disk until a tensor is asked for (SafetensorsWeights), in the checkpoint's
 own dtype: a caller that builds the model one layer at a time holds one layer, never the whole model."""
@@ -17,6 +17,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from models.sources.adapter import LoraAdapter, check_adapter_base, check_adapter_fits, load_adapter
+from models.sources.adapter_merge import merge_adapter
 from models.sources.builtin import converted_folder, is_complete, save_converted
 from models.sources.config import check_llama_config, read_config
 from models.sources.consistency import check_config_sizes, check_tensors, check_token_ids
@@ -41,6 +43,7 @@ class Checkpoint:
     # Every id that ends a generation: generation_config.json's eos_token_id (Llama 3 Instruct lists
     # <|eot_id|> and <|eom_id|> there), the config's, and the tokenizer's eos.
     eos_token_ids: tuple[int, ...] = ()
+    adapter: LoraAdapter | None = None  # merged into state_dict's weights
 
     @property
     def architecture(self) -> str:
@@ -62,13 +65,16 @@ class Checkpoint:
         return "lm_head.weight" not in self.state_dict or bool(getattr(self.config, "tie_word_embeddings", False))
 
     def describe(self) -> dict:
-        return {
+        described = {
             "source": self.source,
             "id": self.id,
             "revision": self.revision,
             "architecture": self.architecture,
             "parameters": self.parameters,
         }
+        if self.adapter is not None:  # a checkpoint without one describes itself as before
+            described["adapter"] = self.adapter.describe()
+        return described
 
 
 def builtin_gguf_path() -> Path | None:
@@ -88,9 +94,38 @@ def load_checkpoint(
     allow_pickle: bool = False,
     progress=None,
     check_config: Callable[[object], None] | None = None,
+    adapter: str | None = None,
+    adapter_revision: str | None = None,
 ) -> Checkpoint:
     """`model` is None (built-in), a local folder, a local .gguf file, or a Hub repo id. check_config(config)
-    runs once the config is known and before any weight is downloaded or read; it raises to refuse the job."""
+    runs once the config is known and before any weight is downloaded or read; it raises to refuse the job.
+    `adapter` (a local folder or a Hub repo id) is a PEFT LoRA adapter, read and checked against the model's id
+    and config before any weight, then merged into the weights as they are read."""
+    if not adapter:
+        return _load_base(model, revision, token, allow_pickle, progress, check_config)
+    lora = load_adapter(adapter, adapter_revision, token=token, allow_pickle=allow_pickle, progress=progress)
+    check_adapter_base(lora, _model_id(model))
+
+    def check_config_and_adapter(config) -> None:
+        if check_config is not None:
+            check_config(config)
+        check_adapter_fits(lora, config)
+
+    ckpt = _load_base(model, revision, token, allow_pickle, progress, check_config_and_adapter)
+    ckpt.state_dict = merge_adapter(ckpt.state_dict, lora, ckpt.id)
+    ckpt.adapter = lora
+    return ckpt
+
+
+def _model_id(model: str | None) -> str | None:
+    """The Hub id of what the user named, where it has one: the built-in model's, or a repo id (not a local path)."""
+    if not model:
+        return BUILTIN_ID
+    local = Path(model).expanduser()
+    return None if local.exists() or local.suffix == ".gguf" or model.startswith((".", "/", "~")) else model
+
+
+def _load_base(model, revision, token, allow_pickle, progress, check_config) -> Checkpoint:
     if not model:
         gguf = builtin_gguf_path()
         if gguf is not None:
@@ -206,14 +241,17 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 
 
 def tensor_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
-    return weights.shape(name) if isinstance(weights, SafetensorsWeights) else tuple(weights[name].shape)
+    # a lazy mapping (SafetensorsWeights, or one with an adapter merged) knows its shapes without reading them
+    shape = getattr(weights, "shape", None)
+    return tuple(shape(name)) if shape is not None else tuple(weights[name].shape)
 
 
 def weights_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
     """The dtype that holds the most elements."""
     counts: dict[torch.dtype, int] = {}
+    stored_dtype = getattr(weights, "stored_dtype", None)
     for name in weights:
-        dtype = weights.stored_dtype(name) if isinstance(weights, SafetensorsWeights) else weights[name].dtype
+        dtype = stored_dtype(name) if stored_dtype is not None else weights[name].dtype
         counts[dtype] = counts.get(dtype, 0) + math.prod(tensor_shape(weights, name))
     return max(counts, key=counts.get) if counts else torch.float32
 

@@ -1,6 +1,7 @@
 """Download a Llama checkpoint from the Hugging Face Hub into the standard HF cache, refusing early
 (before any byte of weights) what could not be loaded: no config, pickle-only weights, too large, or a
-config the caller's check refuses (the job's memory estimate): config.json comes down first."""
+config the caller's check refuses (the job's memory estimate): config.json comes down first. A PEFT adapter
+comes down the same way, its config and weights only (download_adapter)."""
 from __future__ import annotations
 
 import os
@@ -42,6 +43,8 @@ ESSENTIAL_FILES = [
 ]
 SAFETENSORS_PATTERNS = ["*.safetensors"]
 PICKLE_PATTERNS = ["*.bin", "*.pth", "*.pt", "*.ckpt"]
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+ADAPTER_PICKLE = "adapter_model.bin"
 # Only top-level files: subfolders hold other formats (original/ consolidated .pth, onnx/, gguf/).
 IGNORE_PATTERNS = ["*/*"]
 REVISION_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/\-]{0,254}")
@@ -58,15 +61,69 @@ def download_from_hub(
 ) -> Path:
     """Returns the snapshot folder in the HF cache; falls back to the cache when the Hub is unreachable.
     check_config(config) runs on the downloaded config.json before any weight is requested."""
-    secrets = [s for s in (token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")) if s]
     try:
         return _download(repo_id, revision, token, allow_pickle, progress or (lambda fraction, message: None),
                          check_config)
     except UserFacingError as err:
-        message = str(err)
-        for secret in secrets:
+        raise _masked(err, token) from None
+
+
+def download_adapter(repo_id: str, revision: str | None = None, token: str | None = None, allow_pickle: bool = False,
+                     progress=None) -> Path:
+    """A PEFT adapter's snapshot folder in the HF cache: adapter_config.json and adapter_model.safetensors (or,
+    with allow_pickle and no safetensors, adapter_model.bin), nothing else; the cache when the Hub is unreachable."""
+    progress = progress or (lambda fraction, message: None)
+    try:
+        check_repo_id(repo_id)
+        check_revision(revision)
+        endpoint = constants.ENDPOINT
+        progress(0.0, f"Looking up the adapter {repo_id} on {endpoint}")
+        try:
+            info = HfApi().model_info(repo_id, revision=revision, token=token, files_metadata=True)
+        except (TransportError, OfflineModeIsEnabled):
+            return _from_cache(repo_id, revision, token, endpoint, progress, patterns=ADAPTER_FILES)
+        except HfHubHTTPError as err:
+            if err.response is not None and err.response.status_code >= 500:
+                return _from_cache(repo_id, revision, token, endpoint, progress, patterns=ADAPTER_FILES)
+            raise hub_error(err, repo_id, revision, endpoint) from None
+        siblings = {s.rfilename: s for s in info.siblings or []}
+        patterns = adapter_patterns(repo_id, list(siblings), allow_pickle)
+        size = sum(siblings[name].size or 0 for name in patterns if name in siblings)
+        check_room(repo_id, disk=size, memory=size)
+        try:
+            folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns)
+        except HfHubHTTPError as err:
+            raise hub_error(err, repo_id, revision, endpoint) from None
+        except (TransportError, OSError) as err:
+            raise UserFacingError(f"the download of the adapter {repo_id} from {endpoint} was interrupted "
+                                  f"({type(err).__name__}: {_one_line(err)}); run the same command again.") from None
+        progress(0.0, f"Downloaded the adapter {repo_id} to {folder}")
+        return Path(folder)
+    except UserFacingError as err:
+        raise _masked(err, token) from None
+
+
+def adapter_patterns(repo_id: str, files: list[str], allow_pickle: bool) -> list[str]:
+    if ADAPTER_FILES[0] not in files:
+        raise UserFacingError(f"{repo_id} has no {ADAPTER_FILES[0]} at its top level, so it is not a PEFT adapter; "
+                              "give the repo of a LoRA adapter (what PEFT's push_to_hub writes).")
+    if ADAPTER_FILES[1] in files:
+        return list(ADAPTER_FILES)
+    if ADAPTER_PICKLE not in files:
+        raise UserFacingError(f"{repo_id} has no adapter weights ({ADAPTER_FILES[1]}); give a repo with them.")
+    if not allow_pickle:
+        raise UserFacingError(f"{repo_id} has only a pickle {ADAPTER_PICKLE}, which can run code when loaded; ask "
+                              f"for {ADAPTER_FILES[1]}, or pass --allow-pickle if you trust the source.")
+    return [ADAPTER_FILES[0], ADAPTER_PICKLE]
+
+
+def _masked(err: UserFacingError, token: str | None) -> UserFacingError:
+    """The error with every token this process knows replaced by ***: a message never shows a secret."""
+    message = str(err)
+    for secret in (token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")):
+        if secret:
             message = message.replace(secret, "***")
-        raise UserFacingError(message) from None
+    return UserFacingError(message)
 
 
 def _download(repo_id, revision, token, allow_pickle, progress, check_config=None) -> Path:
@@ -212,13 +269,14 @@ def _check_config_file(config_file: Path, check_config) -> None:
     check_config(read_config(config_file.parent))
 
 
-def _from_cache(repo_id, revision, token, endpoint, progress, check_config=None) -> Path:
+def _from_cache(repo_id, revision, token, endpoint, progress, check_config=None,
+                patterns=ESSENTIAL_FILES + SAFETENSORS_PATTERNS) -> Path:
     try:
         folder = snapshot_download(
             repo_id,
             revision=revision,
             token=token,
-            allow_patterns=ESSENTIAL_FILES + SAFETENSORS_PATTERNS,
+            allow_patterns=patterns,
             ignore_patterns=IGNORE_PATTERNS,
             local_files_only=True,
         )

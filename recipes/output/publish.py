@@ -19,7 +19,7 @@ from models.errors import UserFacingError
 from recipes.files.atomic_write import write_atomically
 from recipes.output.how_to_run import has_data_file, how_to_run
 from recipes.output.profile_view import model_card_lines
-from recipes.output.report import RecipeInfo, Report, load_report
+from recipes.output.report import AdapterInfo, RecipeInfo, Report, load_report
 from recipes.files.tokenizer_files import TOKENIZER_FILES
 
 SHIPPED_FILES = ("model.pte", *TOKENIZER_FILES, "report.json")
@@ -42,6 +42,8 @@ def model_card(report: Report, chat_template: str | None = None) -> str:
         lines += [f"It runs on {recipe.runs_on}.", ""]
     if model.revision:
         lines += [f"Base model revision: `{model.revision}`.", ""]
+    if model.adapter:
+        lines += [_adapter_sentence(model.adapter), ""]
     options = {k: v for k, v in recipe.options.items() if k != "device_runner"}  # in How to run
     if options:
         lines += ["Recipe options: " + ", ".join(f"`{k}={v}`" for k, v in sorted(options.items())) + ".", ""]
@@ -80,6 +82,15 @@ def model_card(report: Report, chat_template: str | None = None) -> str:
     lines += ["## Versions", "", ", ".join(f"{k} {v}" for k, v in report.versions.items() if v), "",
               "`report.json` holds the full report (timings, per-op delegation table, generations)."]
     return "\n".join(lines) + "\n"
+
+
+def _adapter_sentence(adapter: AdapterInfo) -> str:
+    """Which LoRA adapter was merged into the weights before quantization, linked where it is on the Hub."""
+    name = (f"[{adapter.id}](https://huggingface.co/{adapter.id})" if adapter.source == "hub"
+            else f"`{adapter.id}` (a local folder)")
+    revision = f" at revision `{adapter.revision}`" if adapter.revision else ""
+    return (f"The LoRA adapter {name}{revision} (r {adapter.r}, alpha {adapter.alpha}, on "
+            f"{', '.join(adapter.target_modules)}) was merged into the weights before quantization.")
 
 
 def _cache_words(recipe: RecipeInfo) -> str:

@@ -124,6 +124,22 @@ def _loader(cls) -> Callable:
 
 
 @dataclass
+class AdapterInfo(Section):
+    """model.adapter: the PEFT LoRA adapter merged into the checkpoint's weights before quantization
+    (models/sources/adapter.py: LoraAdapter.describe)."""
+    source: str | None = None  # hub or local-folder
+    id: str | None = None  # the Hub repo id, or the folder's name
+    revision: str | None = None  # None for a local folder
+    r: int | None = None
+    alpha: float | None = None
+    target_modules: list[str] = field(default_factory=list)  # the kinds of linear it changes
+    linears: int | None = None  # the linears it changed, over every layer
+    rslora: bool | None = optional()  # scaled by alpha / sqrt(r) rather than alpha / r
+    rank_pattern: dict | None = optional()  # per-module ranks and alphas where they differ from r and alpha
+    alpha_pattern: dict | None = optional()
+
+
+@dataclass
 class ModelInfo(Section):
     """model: the checkpoint (models/sources/checkpoint.py: Checkpoint.describe)."""
     source: str | None = None  # builtin, hub, local-folder, gguf
@@ -131,6 +147,7 @@ class ModelInfo(Section):
     revision: str | None = None
     architecture: str | None = None
     parameters: int | None = None
+    adapter: AdapterInfo | None = optional(_loader(AdapterInfo))  # a job without one writes no key
 
 
 @dataclass

@@ -87,7 +87,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
 
     with stages.stage("loading the checkpoint", shared, "load"):
         checkpoint = load_checkpoint(request.model, revision=request.revision, token=request.token,
-                                     allow_pickle=request.allow_pickle, progress=progress, check_config=check_config)
+                                     allow_pickle=request.allow_pickle, progress=progress, check_config=check_config,
+                                     adapter=request.adapter, adapter_revision=request.adapter_revision)
     check_prompt_fits(checkpoint, request)
     calibration_file = tokenized_calibration(calibration_file, checkpoint.tokenizer, recipes, options)
     job = _Job(request, checkpoint, ModelInfo.from_dict(checkpoint.describe(), strict=True), memory, stages, shared,

@@ -23,6 +23,17 @@ class ExecutorchOpsAttention(AttentionForm):
                 self.register_buffer(f"{name}_cache_zero_points", torch.zeros(qparams_shape, dtype=torch.int8),
                                      persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """A cast of the whole module (an fp16 recipe's) leaves an int8 cache's scales in fp32: the per-token
+        quantize ops write them in fp32 and llama::custom_quantized_sdpa reads them so."""
+        super()._apply(fn, recurse)
+        if self.quantized_cache:
+            for name in ("k", "v"):
+                scales = getattr(self, f"{name}_cache_scales")
+                if scales.dtype != torch.float32:
+                    setattr(self, f"{name}_cache_scales", scales.float())
+        return self
+
     @classmethod
     def register_ops(cls, options: ExportOptions) -> None:
         # Registers llama::update_cache / llama::custom_sdpa with torch.

@@ -71,10 +71,12 @@ class Through:
 
 @dataclass
 class Made:
-    """What prepare_and_lower made: the quantized module (None once released), its quantization section, the LLM
-    metadata written into the .pte and the lowered program. When it raised, what it had made by then, and `stage`
-    says where it stopped."""
+    """What prepare_and_lower made: the quantized module (None once released), its quantization section, the recipe
+    options with what the backend says of its compile target (a report's recipe.options), the LLM metadata written
+    into the .pte and the lowered program. When it raised, what it had made by then, and `stage` says where it
+    stopped."""
     module: torch.nn.Module | None = None
+    described_options: dict | None = None
     quantization: Quantization | None = None
     metadata: dict | None = None
     lowered: LoweredProgram | None = None
@@ -92,6 +94,7 @@ def prepare_and_lower(job: RecipeJob, lowering: Lowering = Lowering(), through: 
         made.module, program, made.quantization = _prepare(job, through)
     made.stage = "lower"
     with through.stages.stage(f"lowering to {recipe.backend.title} ({recipe.name})", figures, "lower"):
+        made.described_options = {**job.options, **recipe.backend.describe_options(job.options)}
         made.metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
                                      job.max_seq_len, checkpoint.config, checkpoint.tokenizer,
                                      stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))

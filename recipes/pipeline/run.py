@@ -107,7 +107,8 @@ def run(request: RunRequest, progress: Progress | None = None, cancel: threading
         reports.append(_run_recipe(job, recipe, options[recipe.name], recipe_dir, needed_later))
     summary = JobSummary(job.model, job.reference, reports)
     if len(recipes) > 1:
-        write_atomically(out_dir / "summary.json", json.dumps(summary_rows(summary), indent=2, ensure_ascii=False).encode())
+        rows = json.dumps(summary_rows(summary), indent=2, ensure_ascii=False)
+        write_atomically(out_dir / "summary.json", rows.encode())
     if progress:
         progress(1.0, "done")
     return summary
@@ -185,7 +186,6 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     figures = copy.deepcopy(job.shared)
     target = RecipeJob(recipe, options, job.checkpoint, request.max_seq_len, job.calibration_file)
     made, errors = _lower(job, target, recipe_dir, target.key in needed_later, figures)
-    described = {**options, **recipe.backend.describe_options(options)} if made.stage == "lower" else dict(options)
     measured = _Measured()
     if request.generate and (made.module is not None or made.lowered is not None):
         measured = _generate_and_measure(job, target, made, figures)
@@ -218,7 +218,8 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
     report = Report(
         model=job.model,
         recipe=RecipeInfo(name=recipe.name, backend=recipe.backend.name, quantization=recipe.quantization,
-                          options=described, max_seq_len=request.max_seq_len, runs_on=recipe.backend.runs_on,
+                          options=made.described_options or dict(options), max_seq_len=request.max_seq_len,
+                          runs_on=recipe.backend.runs_on,
                           kv_cache=kv_cache_section(recipe, options, job.checkpoint.config, request.max_seq_len)),
         versions=job.versions, threads=Threads.from_dict(thread_policy.describe(), strict=True),
         timings=figures.timings, pte=shipped.pte,

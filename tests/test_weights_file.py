@@ -42,10 +42,15 @@ def _runtime_logits(pte):
     return prefill, decode
 
 
+# An int8 KV cache in a ring: the pair must carry the cache's form (its scales, its ring rows) as well as the weights.
+CACHE_OPTIONS = {"kv_cache": "int8", "kv_cache_window": 32}
+
+
 @pytest.fixture(scope="module")
 def tiny_pair_and_single(runner_llama_dir, tmp_path_factory):
     single, pair = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("pair")
-    return (single, _export_only(runner_llama_dir, single, False)), (pair, _export_only(runner_llama_dir, pair, True))
+    return ((single, _export_only(runner_llama_dir, single, False, options=CACHE_OPTIONS)),
+            (pair, _export_only(runner_llama_dir, pair, True, options=CACHE_OPTIONS)))
 
 
 def test_pair_holds_the_weights_and_the_program_alone_is_small(tiny_pair_and_single):
@@ -86,21 +91,6 @@ def test_llm_runner_gives_the_same_tokens_from_the_pair(tiny_pair_and_single, ru
     (single, _), (pair, _) = tiny_pair_and_single
     alone = _runner_pieces(single, runner_llama_dir)
     assert alone and _runner_pieces(pair, runner_llama_dir) == alone
-
-
-def test_builtin_model_pair_gives_the_runners_tokens_of_the_single_file(builtin_int8_ring_folder, tmp_path):
-    """The built-in model's pair against the single file the KV-cache tests export (the same recipe and options: an
-    int8 cache in a ring, which the pair must carry as well as the weights)."""
-    from tests.conftest import BUILTIN_RING_WINDOW
-
-    model_dir = None  # the built-in SmolLM2-135M-Instruct
-    single, single_report = builtin_int8_ring_folder
-    options = {"quant_algorithm": "hqq", "kv_cache": "int8", "kv_cache_window": BUILTIN_RING_WINDOW}
-    assert single_report.recipe.options["kv_cache_window"] == BUILTIN_RING_WINDOW
-    pair = tmp_path / "pair"
-    _export_only(model_dir, pair, True, max_seq_len=single_report.recipe.max_seq_len, options=options)
-    alone = _runner_pieces(single, model_dir)
-    assert len(alone) > 3 and _runner_pieces(pair, model_dir) == alone
 
 
 def test_full_job_with_the_pair_generates_profiles_and_ships_it(runner_llama_dir, tmp_path):

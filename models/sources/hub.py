@@ -74,18 +74,10 @@ def download_adapter(repo_id: str, revision: str | None = None, token: str | Non
     with allow_pickle and no safetensors, adapter_model.bin), nothing else; the cache when the Hub is unreachable."""
     progress = progress or (lambda fraction, message: None)
     try:
-        check_repo_id(repo_id)
-        check_revision(revision)
         endpoint = constants.ENDPOINT
-        progress(0.0, f"Looking up the adapter {repo_id} on {endpoint}")
-        try:
-            info = HfApi().model_info(repo_id, revision=revision, token=token, files_metadata=True)
-        except (TransportError, OfflineModeIsEnabled):
+        info = _repo_info(repo_id, revision, token, progress, f"the adapter {repo_id}")
+        if info is None:
             return _from_cache(repo_id, revision, token, endpoint, progress, patterns=ADAPTER_FILES)
-        except HfHubHTTPError as err:
-            if err.response is not None and err.response.status_code >= 500:
-                return _from_cache(repo_id, revision, token, endpoint, progress, patterns=ADAPTER_FILES)
-            raise hub_error(err, repo_id, revision, endpoint) from None
         siblings = {s.rfilename: s for s in info.siblings or []}
         patterns = adapter_patterns(repo_id, list(siblings), allow_pickle)
         size = sum(siblings[name].size or 0 for name in patterns if name in siblings)
@@ -126,19 +118,27 @@ def _masked(err: UserFacingError, token: str | None) -> UserFacingError:
     return UserFacingError(message)
 
 
-def _download(repo_id, revision, token, allow_pickle, progress, check_config=None) -> Path:
+def _repo_info(repo_id: str, revision: str | None, token: str | None, progress, what: str):
+    """The repo's file list with sizes, once its id and revision are checked; None when the Hub does not answer
+    (unreachable, offline, or a server error), so the caller falls back to the cache."""
     check_repo_id(repo_id)
     check_revision(revision)
-    endpoint = constants.ENDPOINT
-    progress(0.0, f"Looking up {repo_id} on {endpoint}")
+    progress(0.0, f"Looking up {what} on {constants.ENDPOINT}")
     try:
-        info = HfApi().model_info(repo_id, revision=revision, token=token, files_metadata=True)
+        return HfApi().model_info(repo_id, revision=revision, token=token, files_metadata=True)
     except (TransportError, OfflineModeIsEnabled):
-        return _from_cache(repo_id, revision, token, endpoint, progress, check_config)
+        return None
     except HfHubHTTPError as err:
         if err.response is not None and err.response.status_code >= 500:
-            return _from_cache(repo_id, revision, token, endpoint, progress, check_config)
-        raise hub_error(err, repo_id, revision, endpoint) from None
+            return None
+        raise hub_error(err, repo_id, revision, constants.ENDPOINT) from None
+
+
+def _download(repo_id, revision, token, allow_pickle, progress, check_config=None) -> Path:
+    endpoint = constants.ENDPOINT
+    info = _repo_info(repo_id, revision, token, progress, repo_id)
+    if info is None:
+        return _from_cache(repo_id, revision, token, endpoint, progress, check_config)
 
     siblings = {s.rfilename: s for s in info.siblings or []}
     patterns = download_patterns(repo_id, list(siblings), allow_pickle)
@@ -158,13 +158,8 @@ def _download(repo_id, revision, token, allow_pickle, progress, check_config=Non
 
     progress(0.05, f"Downloading {len(to_fetch)} files ({total / GB:.2f} GB) of {repo_id}")
     try:
-        folder = snapshot_download(
-            repo_id,
-            revision=revision,
-            token=token,
-            allow_patterns=patterns,
-            ignore_patterns=IGNORE_PATTERNS,
-        )
+        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns,
+                                   ignore_patterns=IGNORE_PATTERNS)
     except HfHubHTTPError as err:
         raise hub_error(err, repo_id, revision, endpoint) from None
     except (TransportError, OSError) as err:  # OSError includes LocalEntryNotFoundError: a HEAD that failed

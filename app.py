@@ -668,9 +668,10 @@ def lower_page() -> dict:
                 calibration_file = calibration_upload()
                 kv_cache, kv_window = kv_cache_controls()
                 with gr.Row():
-                    adapter = gr.Textbox(label="LoRA adapter (local folder or Hub repo id; merged before "
-                                               "quantization)", placeholder="none")
-                    adapter_revision = gr.Textbox(label="Adapter revision", placeholder="main")
+                    # An initial value makes the /lower endpoint's parameters optional for API clients.
+                    adapter = gr.Textbox("", label="LoRA adapter (local folder or Hub repo id; merged before "
+                                                   "quantization)", placeholder="none")
+                    adapter_revision = gr.Textbox("", label="Adapter revision", placeholder="main")
             choices = [*recipe_lists, *option_inputs, algorithm, budget, kv_cache, kv_window]
             # The /lower endpoint takes one recipe list and one options dict; pressing Lower fills them from the ticks.
             picked, picked_options = ticked(*[c.value for c in choices])

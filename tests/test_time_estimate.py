@@ -161,9 +161,10 @@ def test_each_model_size_is_predicted_from_the_other_sizes_cells():
     assert judged_on_own_rates == set(sizes)
 
 
-# The built-in default job's measured wall against an estimate fitted without the zoo's cells of the built-in model
-# (the zoo measured this very job): this job shares its two cores with the suite's other worker, so the bound is
-# wide, never 5x.
+# The built-in default job's measured wall against its estimate: this job shares its two cores with the suite's
+# other worker, so the bound is wide. Fitted without the zoo's cells of the built-in model (the zoo measured this very
+# job), the estimate extrapolates below the smallest other model and must say so; then only the order of magnitude
+# holds, as for a held-out size whose rates are borrowed.
 ESTIMATE_BOUND = 2.5
 
 
@@ -179,10 +180,12 @@ def test_the_builtin_default_jobs_estimate_is_near_its_measured_time(builtin_run
         estimate = timings["estimate"]  # the job's own, from every cell
         assert estimate["shared"] < estimate["total"] and estimate["rates_from"]
         options = {recipe: {"quant_algorithm": report["recipe"]["options"].get("quant_algorithm")}}
-        (held_out,), _notes = estimate_time(report["model"]["parameters"], [get_recipe(recipe)], options, True,
-                                            speed, cells=[c.to_dict() for c in fitted])
-        ratio = timings["total"] / held_out.total
+        (held_out,), notes = estimate_time(report["model"]["parameters"], [get_recipe(recipe)], options, True,
+                                           speed, cells=[c.to_dict() for c in fitted])
+        ratio, own_ratio = timings["total"] / held_out.total, timings["total"] / estimate["total"]
         print(f"{recipe}: measured {timings['total']} s, estimated {held_out.total:.1f} s without the built-in "
-              f"model's cells ({ratio:.2f}x; {estimate['total']} s with them), this host at "
+              f"model's cells ({ratio:.2f}x; {estimate['total']} s with them, {own_ratio:.2f}x), this host at "
               f"{held_out.host_speed:.2f}x the cells' speed")
-        assert 1 / ESTIMATE_BOUND <= ratio <= ESTIMATE_BOUND
+        assert 1 / ESTIMATE_BOUND <= own_ratio <= ESTIMATE_BOUND
+        assert any("extrapolated" in note for note in notes), notes
+        assert 1 / BORROWED_RATES_BOUND <= ratio <= BORROWED_RATES_BOUND

@@ -93,3 +93,21 @@ def test_the_estimate_made_before_the_job_stands_beside_the_measured_figures():
     assert list(row).index("estimated time (s)") == list(row).index("time (s)") + 1
     again = type(report).from_dict(json.loads(report.to_json()))
     assert again.timings.estimate == report.timings.estimate
+
+
+def test_decode_speed_comes_from_the_llm_runner_where_it_ran_and_the_size_counts_the_weights_file():
+    from dataclasses import replace
+
+    from recipes.output.summary import recipe_figures
+
+    report = load_report(DATA / "report_xnnpack_8da4w_mixed_profiled.json")
+    runtime = report.generations[1]
+    runner = replace(runtime, engine="executorch-llm-runner", decode_tokens_per_s=runtime.decode_tokens_per_s * 3)
+    with_runner = replace(report, generations=[*report.generations, runner],
+                          pte=replace(report.pte, ptd_path="model.ptd", ptd_bytes=2_500_000))
+    figures = recipe_figures(with_runner, report.generations[0])
+    assert figures.engine == "executorch-llm-runner"
+    assert figures.decode_tokens_per_s == round(runner.decode_tokens_per_s, 1)
+    assert figures.ptd_mb == 2.5
+    alone = recipe_figures(report, report.generations[0])
+    assert alone.engine == "executorch-runtime" and alone.ptd_mb is None

@@ -111,6 +111,21 @@ def test_zoo_table_shows_a_full_job_over_an_export_only_run_of_the_same_cell():
     assert "export only" in failed_full and "failed" not in failed_full
 
 
+def test_zoo_table_sizes_a_cell_by_its_pte_and_ptd_and_times_it_by_its_whole_job():
+    from zoo.cell_result import CellResult, JobFigures
+    from zoo.entries import table_rows
+    from zoo.report import backend_tables
+
+    cell = CellResult(model="m", recipe="xnnpack-8da4w", backend="xnnpack", status="ok", export_only=True, seconds=562.0,
+                      figures=JobFigures(delegated_percent=83.0, pte_mb=527.2, ptd_mb=4000.5, export_s=8.6,
+                                         peak_rss_mb=9000.0, fidelity="needs real weights"))
+    table = "\n".join(backend_tables([cell]))
+    assert "4527.7 MB / 562.0 s" in table and "8.6 s" not in table
+    (row,) = table_rows([cell])
+    assert row["files MB"] == 4527.7 and row["job s"] == 562.0
+    assert CellResult.from_dict(cell.to_dict()).measured.ptd_mb == 4000.5
+
+
 def test_zoo_table_shows_the_cell_measured_on_the_newest_executorch():
     from zoo.cell_result import CellResult, JobFigures
     from zoo.report import backend_tables

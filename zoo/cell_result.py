@@ -96,6 +96,7 @@ class JobFigures(FlatRecord):
     its report, even where a stage of it failed."""
     delegated_percent: float | None = None
     pte_mb: float | None = None
+    ptd_mb: float | None = left_out_when_none()  # the weights file beside the .pte, for a program that has one
     export_s: float | None = None
     lower_s: float | None = None
     peak_rss_mb: float | None = None
@@ -108,6 +109,11 @@ class JobFigures(FlatRecord):
     stages_s: dict[str, float] | None = None
     alone: bool | None = None  # nothing ran beside it, so its stages' seconds are rates
     quant_algorithm: str | None = None  # the int4 algorithm the job ran; None: the scheme takes none
+
+    @property
+    def files_mb(self) -> float | None:
+        """What a device is handed: the .pte and, for a program that keeps its weights apart, its .ptd."""
+        return None if self.pte_mb is None else round(self.pte_mb + (self.ptd_mb or 0.0), 2)
 
 
 @dataclass

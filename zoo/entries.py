@@ -104,7 +104,7 @@ def read_results(path: Path = ZOO_DIR / "results.json") -> list[CellResult]:
     return load_results(path).cells
 
 
-TABLE_COLUMNS = ("model", "recipe", "backend", "status", "delegated %", ".pte MB", "export s", "peak RSS MB",
+TABLE_COLUMNS = ("model", "recipe", "backend", "status", "delegated %", "files MB", "job s", "peak RSS MB",
                  "decode tok/s", "engine", "ppl ratio", "weights", "reason")
 
 
@@ -113,7 +113,7 @@ def cell_figures(cell: CellResult) -> dict:
     measured = cell.measured
     return {
         "model": cell.model, "recipe": cell.recipe, "backend": cell.backend, "status": cell.status,
-        "delegated %": measured.delegated_percent, ".pte MB": measured.pte_mb, "export s": measured.export_s,
+        "delegated %": measured.delegated_percent, "files MB": measured.files_mb, "job s": cell.seconds,
         "peak RSS MB": measured.peak_rss_mb, "decode tok/s": measured.decode_tokens_per_s,
         "engine": "export only" if cell.export_only else measured.engine,
         "ppl ratio": measured.perplexity_ratio if measured.perplexity_ratio is not None else measured.fidelity,

@@ -151,7 +151,7 @@ def record_from_report(record: CellResult, summary: JobSummary, random_weights: 
     if fidelity and fidelity.perplexity and fidelity.perplexity_fp32:
         ratio = round(fidelity.perplexity / fidelity.perplexity_fp32, 4)
     measured = JobFigures(
-        delegated_percent=figures.delegated_percent, pte_mb=figures.pte_mb,
+        delegated_percent=figures.delegated_percent, pte_mb=figures.pte_mb, ptd_mb=figures.ptd_mb,
         export_s=report.timings.export, lower_s=report.timings.lower, peak_rss_mb=report.timings.peak_rss_mb,
         decode_tokens_per_s=figures.decode_tokens_per_s, engine=figures.engine,
         perplexity_ratio=None if random_weights else ratio,

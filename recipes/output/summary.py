@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from recipes.output.report import JobSummary, Report
 
-ENGINES_OF_A_PTE = ("executorch-runtime", "executorch-llm-runner")
+ENGINE_OF_APPS = "executorch-llm-runner"  # recipes/running/llm_runner.py: ExecuTorch's TextLLMRunner
+ENGINES_OF_A_PTE = ("executorch-runtime", ENGINE_OF_APPS)
 REFERENCE_ENGINES = ("eager-fp32", "eager-bf16", "eager-fp16")  # the eager reference's (recipes/pipeline/run.py)
 MISSING = "–"
 
@@ -20,11 +21,12 @@ class RecipeFigures:
     """The figures that rank a recipe; None where the job did not measure one."""
     recipe: str
     backend: str
-    engine: str | None  # of the recipe's first generation: the .pte's own where it runs here
+    engine: str | None  # of the generation its decode speed is from: the LLM runner's where it ran, else the first
     delegated_subgraphs: int | None
     delegated_percent: float | None  # of the lowered graph's nodes
     in_delegates_percent: float | None  # of a decode step's time (the profile)
     pte_mb: float | None
+    ptd_mb: float | None  # the program's weights file beside it, for a program that keeps them apart
     weights_mb_per_token: float | None
     decode_tokens_per_s: float | None
     perplexity_ratio: float | None
@@ -61,6 +63,8 @@ def recipe_figures(report: Report, reference=None) -> RecipeFigures:
     delegation, fidelity = report.delegation, report.fidelity if report.fidelity and not report.fidelity.error else None
     # a report lists the reference's generation first, then the recipe's
     generated = [g for g in report.generations if g != reference and g.engine not in REFERENCE_ENGINES]
+    # the runner a device app runs, where it ran: one engine's speed, not whichever generation came first
+    generated = [g for g in generated if g.engine == ENGINE_OF_APPS] or generated
     decode = report.profile.decode if report.profile else None
     outside = _number(decode.outside_delegates_percent) if decode else None
     quantization = report.quantization
@@ -72,6 +76,7 @@ def recipe_figures(report: Report, reference=None) -> RecipeFigures:
         delegated_percent=_rounded(delegation.delegated_percent, 1) if delegation else None,
         in_delegates_percent=None if outside is None else round(100.0 - outside, 1),
         pte_mb=round(report.pte.bytes / 1e6, 2) if report.pte else None,
+        ptd_mb=round(report.pte.ptd_bytes / 1e6, 2) if report.pte and report.pte.ptd_bytes else None,
         weights_mb_per_token=None if _number(per_token) is None else round(per_token / 1e6, 2),
         decode_tokens_per_s=_rounded(generated[0].decode_tokens_per_s, 1) if generated else None,
         perplexity_ratio=_rounded(fidelity.perplexity_ratio, 3) if fidelity else None,
@@ -125,6 +130,7 @@ COLUMNS = {
     "in delegates (% of decode time)": lambda f: f.in_delegates_percent,
     "delegated subgraphs": lambda f: f.delegated_subgraphs,
     ".pte (MB)": lambda f: f.pte_mb,
+    ".ptd (MB)": lambda f: f.ptd_mb,
     "weights read per token (MB)": lambda f: f.weights_mb_per_token,
     "decode (tok/s)": lambda f: f.decode_tokens_per_s,
     "perplexity vs fp32 (×)": lambda f: f.perplexity_ratio,

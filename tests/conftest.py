@@ -58,13 +58,29 @@ def is_slow(item) -> bool:
     return any(makes_a_program(function) for function in [getattr(item, "function", None), *fixtures])
 
 
+def shared_program_fixture(item) -> str | None:
+    """The first module- or session-wide fixture of the item that makes a program, as `module.name`: the tests that
+    share it stay on one worker, or each worker would make it again."""
+    for name in item.fixturenames:
+        for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            module = definition.func.__module__
+            if definition.scope not in ("module", "session") or module.startswith(("_pytest", "pytest")):
+                continue
+            if (name in SLOW_FIXTURES or makes_a_program(definition.func)
+                    or (definition.scope == "module" and module.rpartition(".")[2] in SLOW_MODULES)):
+                return f"{module}.{name}"
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
-        groups = {SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS}
-        for group in groups:
+        # one group per test: xdist makes a test of two groups a group of its own
+        group = next((SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames if name in SHARED_FIXTURE_GROUPS),
+                     None) or shared_program_fixture(item)
+        if group:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: ("builtin_run" not in item.fixturenames,
                                  item.get_closest_marker("builtin") is None

@@ -3,6 +3,7 @@ the family's config class and saved by transformers, loaded through Lowerbench's
 logits in fp32 eager (separate and fused q/k/v), its xnnpack-fp32 program gives eager's greedy text on the ExecuTorch
 runtime, and its xnnpack-8da4w program generates in ExecuTorch's LLM runner."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,12 +43,17 @@ FAMILIES = ("qwen2", "qwen3", "smollm3", "mistral", "granite", "phi3")
 def family_dirs(tmp_path_factory) -> dict:
     """family -> a tiny random checkpoint folder written by transformers' save_pretrained, its norms and biases
     away from their initial ones and unit, so a weight read into the wrong place shows."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = _byte_level_tokenizer()
     folders = {}
-    # rows to spare: a family's tokenizer class may add a special token of its own when it loads the folder
-    for name, config in _configs(128).items():
+    for name, config in _configs(len(tokenizer)).items():
+        folder = tmp_path_factory.mktemp(f"family-{name}")
+        tokenizer.save_pretrained(folder)
+        config.save_pretrained(folder)
+        # a family's tokenizer class may add a special token of its own as it loads: the vocabulary is the loaded one,
+        # so the model emits no id the tokenizer lacks
+        config.vocab_size = max(AutoTokenizer.from_pretrained(folder).get_vocab().values()) + 1
         torch.manual_seed(3)
         model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
@@ -56,9 +62,7 @@ def family_dirs(tmp_path_factory) -> dict:
                     parameter.normal_(0.0, 0.2)
                 elif "norm" in parameter_name:
                     parameter.normal_(1.0, 0.2)
-        folder = tmp_path_factory.mktemp(f"family-{name}")
         model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
         folders[name] = folder
     return folders
 
@@ -100,66 +104,95 @@ def test_fp32_eager_logits_match_transformers_on_a_64_token_prompt(family, famil
             assert (got - expected).abs().max().item() <= 1e-4, (family, form)
 
 
-@pytest.fixture(scope="module")
-def family_fp32_programs(family_checkpoints) -> dict:
-    """family -> (eager module, lowered program, recipe) of xnnpack-fp32 at a context of 64."""
-    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
-    from recipes.registry import get_recipe
-
-    recipe = get_recipe("xnnpack-fp32")
-    made = {}
-    for name, checkpoint in family_checkpoints.items():
-        program = prepare_and_lower(RecipeJob(recipe, {}, checkpoint, 64))
-        made[name] = (program.module, program.lowered, recipe)
-    return made
+# The families whose program differs from a Llama's (a bias, a norm on q and k, layers without rope, partial rope);
+# Granite's folds and Mistral's window within the context leave a Llama's program, which the Llama tests run.
+RUNTIME_FAMILIES = ("qwen2", "qwen3", "smollm3", "phi3")
+PROMPT = "what is the capital of France ?"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_xnnpack_fp32_on_the_runtime_gives_eagers_greedy_text(family, family_fp32_programs, family_checkpoints):
-    from recipes.running.generate import eager_step, generate, load_runtime_method, runtime_step
-
-    module, lowered, recipe = family_fp32_programs[family]
-    assert lowered.delegation.to_dict()["delegated_nodes"] > 0
-    tokenizer = family_checkpoints[family].tokenizer
-    step = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports))
-    runtime = generate(step, "executorch-runtime", tokenizer, "what is the capital of France ?", max_new_tokens=12,
-                       max_seq_len=64)
-    module.reset_cache()
-    eager = generate(eager_step(module), "eager-fp32", tokenizer, "what is the capital of France ?",
-                     max_new_tokens=12, max_seq_len=64)
-    assert runtime.new_tokens == eager.new_tokens == 12
-    assert runtime.text == eager.text
-
-
-@pytest.fixture(scope="module")
-def family_8da4w_folders(family_checkpoints, family_dirs, tmp_path_factory) -> dict:
-    """family -> a folder with the xnnpack-8da4w program (minmax int4, the quickest algorithm) and the tokenizer."""
+def _lowered_folder(checkpoint, folder, recipe_name: str, options: dict):
+    """The recipe's program of the checkpoint at a context of 64, written with the tokenizer as a device app's
+    folder: (eager module, lowered program, recipe)."""
     import shutil
 
     from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
     from recipes.registry import get_recipe
 
-    recipe = get_recipe("xnnpack-8da4w")
-    folders = {}
-    for name, checkpoint in family_checkpoints.items():
-        folder = tmp_path_factory.mktemp(f"family-{name}-8da4w")
-        lowered = prepare_and_lower(RecipeJob(recipe, {"quant_algorithm": "minmax"}, checkpoint, 64)).lowered
-        (folder / "model.pte").write_bytes(lowered.pte)
-        shutil.copy(family_dirs[name] / "tokenizer.json", folder / "tokenizer.json")
-        folders[name] = folder
-    return folders
+    recipe = get_recipe(recipe_name)
+    made = prepare_and_lower(RecipeJob(recipe, options, checkpoint, 64))
+    (folder / "model.pte").write_bytes(made.lowered.pte)
+    shutil.copy(Path(checkpoint.path) / "tokenizer.json", folder / "tokenizer.json")
+    return made.module, made.lowered, recipe
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_xnnpack_8da4w_folder_generates_in_executorchs_llm_runner(family, family_8da4w_folders, family_checkpoints):
-    from recipes.backends.xnnpack import BACKEND
+@pytest.fixture(scope="module")
+def family_fp32_programs(family_checkpoints, tmp_path_factory) -> dict:
+    """family -> (folder, eager module, lowered program, recipe) of xnnpack-fp32."""
+    made = {}
+    for name in RUNTIME_FAMILIES:
+        folder = tmp_path_factory.mktemp(f"family-{name}-fp32")
+        made[name] = (folder, *_lowered_folder(family_checkpoints[name], folder, "xnnpack-fp32", {}))
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("families")  # the programs are made once, on one worker
+@pytest.mark.parametrize("family", RUNTIME_FAMILIES)
+def test_xnnpack_fp32_on_the_runtime_and_in_the_llm_runner_gives_eagers_greedy_text(family, family_fp32_programs,
+                                                                                   family_checkpoints):
+    from recipes.running.generate import eager_step, generate, load_runtime_method, runtime_step
     from recipes.running.llm_runner import generate_with_runner
 
-    folder, checkpoint = family_8da4w_folders[family], family_checkpoints[family]
-    generation = generate_with_runner(folder / "model.pte", folder / "tokenizer.json", checkpoint.tokenizer,
-                                      "what is the capital of France ?", max_new_tokens=8,
-                                      eos_token_ids=checkpoint.eos_token_ids, runtime_imports=BACKEND.runtime_imports)
-    assert generation.new_tokens > 0 and generation.text
+    folder, module, lowered, recipe = family_fp32_programs[family]
+    checkpoint = family_checkpoints[family]
+    assert lowered.delegation.delegated_nodes > 0
+    tokenizer = checkpoint.tokenizer
+    step = runtime_step(load_runtime_method(lowered.pte, recipe.backend.runtime_imports))
+    runtime = generate(step, "executorch-runtime", tokenizer, PROMPT, max_new_tokens=12, max_seq_len=64)
+    module.reset_cache()
+    eager = generate(eager_step(module), "eager-fp32", tokenizer, PROMPT, max_new_tokens=12, max_seq_len=64)
+    assert runtime.new_tokens == eager.new_tokens > 0
+    assert runtime.tokens == eager.tokens and runtime.text == eager.text
+    runner = generate_with_runner(folder / "model.pte", folder / "tokenizer.json", tokenizer, PROMPT,
+                                  max_new_tokens=12, eos_token_ids=checkpoint.eos_token_ids,
+                                  runtime_imports=recipe.backend.runtime_imports)
+    assert runner.pieces == [tokenizer.decode([token]) for token in eager.tokens]  # special tokens' text included
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_xnnpack_8da4w_folder_generates_in_executorchs_llm_runner(family, family_checkpoints, tmp_path):
+    """int4 linears beside a norm on q and k heads, and beside partial rope (minmax: the quickest algorithm)."""
+    from recipes.running.llm_runner import generate_with_runner
+
+    checkpoint = family_checkpoints[family]
+    _module, lowered, recipe = _lowered_folder(checkpoint, tmp_path, "xnnpack-8da4w", {"quant_algorithm": "minmax"})
+    assert lowered.delegation.delegated_nodes > 0
+    generation = generate_with_runner(tmp_path / "model.pte", tmp_path / "tokenizer.json", checkpoint.tokenizer,
+                                      PROMPT, max_new_tokens=8, eos_token_ids=checkpoint.eos_token_ids,
+                                      runtime_imports=recipe.backend.runtime_imports)
+    assert generation.new_tokens > 0 and len(generation.pieces) == generation.new_tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "smollm3"])
+def test_the_static_form_computes_the_modules_logits(family, family_checkpoints):
+    """The Neural Engine's static form calls the attention's own projection, q/k norm and rope step."""
+    from models.llama import ExportOptions, build_exportable
+    from models.static_llama import StaticLlama
+
+    checkpoint = family_checkpoints[family]
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(32))
+    tokens = torch.randint(3, checkpoint.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = module(tokens, torch.tensor([0]))
+        static = StaticLlama(module)
+        inputs = list(static.example_inputs(8))
+        inputs[0] = tokens
+        mask = torch.full((8, 32 + 8), float("-inf"))
+        mask[:, 32:] = torch.triu(torch.full((8, 8), float("-inf")), diagonal=1)
+        inputs[2] = mask[None, None]
+        logits, _k, _v = static(*inputs)
+    assert (logits - expected).abs().max().item() <= 1e-5
 
 
 def _write_config(folder, config: dict):

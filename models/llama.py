@@ -15,6 +15,7 @@ its tensor names (fused tensors split by rows) and exact weight folds, all appli
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Callable
 
@@ -192,7 +193,8 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
             f"checkpoint does not match the {family.name} layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     # a folded output layer is no longer the embedding it is tied to
-    share_output = tie_output and family.fold(config, "lm_head.weight") == family.fold(config, "model.embed_tokens.weight")
+    fold = functools.partial(family.fold, config)
+    share_output = tie_output and fold("lm_head.weight") == fold("model.embed_tokens.weight")
     _fill_buffers(module, config, options)
     for prefix, unit in _units(module, output_first):
         for local_name, meta in list(unit.named_parameters()):
@@ -205,7 +207,7 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
                 # The vocabulary-sized matrix stays in `dtype`: its scratch would be as large as itself.
                 keep_stored = prefix.startswith("model.layers.") and isinstance(owner, nn.Linear) and attr == "weight"
                 dtype = options.weight_dtype if options.weight_dtype and keep_stored else options.dtype
-                tensor = _assemble(state_dict, sources[name], dtype, lambda llama: family.fold(config, llama))
+                tensor = _assemble(state_dict, sources[name], dtype, fold)
                 if name == "lm_head.weight" and tied and not hasattr(state_dict, "read"):
                     tensor = tensor.clone()  # a dict's .to() may hand back the embedding tensor itself
             if tensor.shape != meta.shape:

@@ -30,7 +30,8 @@ def _configs(vocab_size: int) -> dict:
                                    residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0),
         # Phi-4-mini's shape of rope: three quarters of each head rotated, longrope factors
         "phi3": t.Phi3Config(**dict(sizes, max_position_embeddings=1024), partial_rotary_factor=0.75,
-                             original_max_position_embeddings=256, rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 256,
+                             original_max_position_embeddings=256,
+                             rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 256,
                                            "short_factor": [1.0 + 0.25 * i for i in range(rotary)],
                                            "long_factor": [4.0 + i for i in range(rotary)]}),
     }
@@ -91,7 +92,8 @@ def test_fp32_eager_logits_match_transformers_on_a_64_token_prompt(family, famil
 
     reference = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32).eval()
     checkpoint = family_checkpoints[family]
-    tokens = torch.randint(3, checkpoint.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, checkpoint.config.vocab_size, (1, PROMPT_TOKENS), generator=generator)
     with torch.no_grad():
         expected = reference(tokens).logits
         for form in (dict(attention="sdpa"), dict(attention="custom", fuse_qkv=True),

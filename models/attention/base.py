@@ -1,5 +1,5 @@
-"""What every attention form shares: the q/k/v projections, a norm on q and k, rope on them, the output projection, and the
-registry the forms join. A form says how its cache is laid out and written, how a layer attends over it, and
+"""What every attention form shares: the q/k/v projections, a norm on q and k, rope on them, the output projection,
+and the registry the forms join. A form says how its cache is laid out and written, how a layer attends over it, and
 what a call makes once for every layer."""
 from __future__ import annotations
 

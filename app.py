@@ -412,7 +412,7 @@ def hub_repo_box():
     import gradio as gr
 
     return gr.Dropdown([], value=None, allow_custom_value=True, filterable=True, label="Hub repo id",
-                       info="type to search the Hub's models of a supported family, e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
+                       info="type to search the Hub's supported models, e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
                        elem_id="hub-repo")
 
 

@@ -408,11 +408,11 @@ def zoo_tab(source, hub_repo, recipe_lists: list, backend_names: list[str], max_
 
 
 def hub_repo_box():
-    """The Hub repo id box: typed text is taken as is, and matching Llama-family repos are suggested."""
+    """The Hub repo id box: typed text is taken as is, and matching repos of the supported families are suggested."""
     import gradio as gr
 
     return gr.Dropdown([], value=None, allow_custom_value=True, filterable=True, label="Hub repo id",
-                       info="type to search the Hub's Llama-family models, e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
+                       info="type to search the Hub's supported models, e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
                        elem_id="hub-repo")
 
 
@@ -425,7 +425,7 @@ def hub_suggestion_note(text: str, token: str | None) -> tuple[list[tuple[str, s
     except UserFacingError as err:
         return [], str(err)
     if not found:
-        return [], f"No Llama-family repo on the Hub contains {text.strip()!r}; a typed repo id is used as is."
+        return [], f"No repo of a supported family on the Hub contains {text.strip()!r}; a typed repo id is used as is."
     return [(s.label, s.repo_id) for s in found], ""
 
 

@@ -9,10 +9,13 @@ plans them as mutable buffers). The forms a backend delegates best are options o
   norm="hf" | "linear-mean"   RMSNorm as Hugging Face writes it, or with mean(x²) as a linear
   fuse_qkv            q/k/v as one linear
 Parameter names match Hugging Face's LlamaForCausalLM so its state dict loads as is (a fused qkv_proj is
-concatenated from q_proj, k_proj and v_proj on load).
+concatenated from q_proj, k_proj and v_proj on load). A Llama-like family (models/families/) differs through the
+choices of its LlamaShape (a q/k/v bias, a norm on q and k, layers without rope, partial rope, a sliding window),
+its tensor names (fused tensors split by rows) and exact weight folds, all applied here when the module is built.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Callable
 
@@ -21,50 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import form_for
-from models.attention.base import AttentionForm
+from models.attention.base import AttentionForm, rope_on_fused
 from models.compute_dtype import compute_in
-from models.module_options import NORM_FORMS, ExportOptions, LlamaShape
+from models.errors import UserFacingError
+from models.families import family_for
+from models.module_options import ExportOptions, LlamaShape
+from models.rms_norm import RMSNorm
 from models.rope import rope_head_mask, rotate_half_matrix
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, form: str = "hf"):
-        super().__init__()
-        if form not in NORM_FORMS:
-            raise ValueError(f"norm must be one of {NORM_FORMS}, got {form!r}")
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.linear_mean = form == "linear-mean"
-        if self.linear_mean:
-            # mean(x²) + ε as one fp32 linear, a 1/dim row with ε as its bias: for a backend whose mean
-            # needs layout changes around it while its linears are the fastest op it has.
-            self.register_buffer("mean_row", torch.empty(1, dim), persistent=False)
-            self.register_buffer("eps_bias", torch.empty(1), persistent=False)
-            self.fill_constants()
-
-    def fill_constants(self) -> None:
-        if self.linear_mean and self.mean_row.device.type != "meta":
-            self.mean_row.fill_(1.0 / self.mean_row.shape[1])
-            self.eps_bias.fill_(self.eps)
-
-    def _apply(self, fn, recurse=True):
-        # The norm computes in fp32 whatever the model's dtype, so a model-wide .to(float16) must leave its
-        # constants fp32 and exact.
-        super()._apply(fn, recurse)
-        if self.linear_mean and self.mean_row.dtype != torch.float32:
-            self.mean_row, self.eps_bias = self.mean_row.float(), self.eps_bias.float()
-            self.fill_constants()
-        return self
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 like Hugging Face, so fp16 models do not overflow in the variance.
-        x32 = x.float()
-        if self.linear_mean:
-            return self.weight * (x32 * torch.rsqrt(F.linear(x32 * x32, self.mean_row, self.eps_bias))).to(x.dtype)
-        # Hugging Face's form: the pattern backends recompose into one rms_norm op.
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(x.dtype)
-
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool):
@@ -78,9 +44,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, options: ExportOptions, form: type[AttentionForm]):
+    def __init__(self, shape: LlamaShape, options: ExportOptions, form: type[AttentionForm], index: int):
         super().__init__()
         self.self_attn = form(shape, options)
+        self.self_attn.use_rope = shape.uses_rope(index)
         self.mlp = MLP(shape.hidden, shape.intermediate, shape.mlp_bias)
         self.input_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.norm)
         self.post_attention_layernorm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.norm)
@@ -94,7 +61,7 @@ class _Body(nn.Module):
     def __init__(self, shape: LlamaShape, options: ExportOptions, form: type[AttentionForm]):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(shape, options, form) for _ in range(shape.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, options, form, i) for i in range(shape.n_layers))
         self.norm = RMSNorm(shape.hidden, shape.rms_norm_eps, options.norm)
 
 
@@ -102,14 +69,20 @@ class LlamaForExport(nn.Module):
     def __init__(self, config, options: ExportOptions):
         super().__init__()
         self.form = form_for(options)
-        self.shape = LlamaShape.from_config(config)
+        self.shape = family_for(config).shape(config)
         self.options = options
+        window = self.shape.sliding_window
+        if window is not None and options.max_seq_len > window:
+            raise UserFacingError(f"a context of {options.max_seq_len} tokens is beyond this model's sliding attention "
+                                  f"window of {window} tokens, which Lowerbench does not compute; choose at most "
+                                  f"{window} (--max-seq-len), or a ring of recent tokens (--kv-cache-window).")
         self.model = _Body(self.shape, options, self.form)
         self.lm_head = nn.Linear(self.shape.hidden, self.shape.vocab_size, bias=False)
         self.form.add_rope_buffers(self, config, options)
         if options.fuse_qkv:
-            rotation = rotate_half_matrix(self.shape.head_dim).to(options.dtype)
+            rotation = rotate_half_matrix(self.shape.head_dim, self.shape.rotary_dim).to(options.dtype)
             self.register_buffer("rope_rotation", rotation, persistent=False)
+        if rope_on_fused(self.shape, options):
             self.register_buffer("rope_heads", rope_head_mask(self.shape).to(options.dtype), persistent=False)
         self.form.add_module_buffers(self, options)
 
@@ -126,7 +99,7 @@ class LlamaForExport(nn.Module):
         positions = input_pos + torch.arange(seq_len, dtype=torch.long)
         start_pos, mask = self.form.start_and_mask(self, positions, input_pos, seq_len)
         cos, sin = self.form.rope(self, positions, dtype)  # [1, T, 1, head_dim]
-        if self.options.fuse_qkv:
+        if rope_on_fused(self.shape, self.options):
             # per head of the fused q/k/v: the tables on q and k heads, cos 1 and sin 0 on v heads
             cos = cos * self.rope_heads + (1.0 - self.rope_heads)
             sin = sin * self.rope_heads
@@ -150,15 +123,24 @@ def kv_cache_bytes(shape: LlamaShape, options: ExportOptions) -> int:
 
 
 def checkpoint_tensors(config) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face tensors the module reads for this config, and their shapes (lm_head.weight among them)."""
+    """The checkpoint tensors the module reads for this config, by the names its family stores them under, and
+    their shapes (lm_head.weight among them; a fused tensor as tall as its parts together)."""
+    family = family_for(config)
     with torch.device("meta"):
         module = LlamaForExport(config, ExportOptions(max_seq_len=1))
-    return {name: tuple(parameter.shape) for name, parameter in module.named_parameters()}
+    found: dict[str, tuple[int, ...]] = {}
+    for name, parameter in module.named_parameters():
+        source, rows = family.source(name, module.shape)
+        if rows is None:
+            found[source] = tuple(parameter.shape)
+        else:
+            found[source] = (max(found.get(source, (0,))[0], rows.stop), *parameter.shape[1:])
+    return found
 
 
-def checkpoint_names(name: str) -> list[str]:
-    """The checkpoint tensors one parameter of this module is made of: Hugging Face's names, and for the
-    fused qkv_proj its q_proj, k_proj and v_proj, concatenated in that order (rows q, k, v)."""
+def llama_names(name: str) -> list[str]:
+    """The Llama-named tensors one parameter of this module is made of: itself, or for the fused qkv_proj its
+    q_proj, k_proj and v_proj, concatenated in that order (rows q, k, v)."""
     if ".self_attn.qkv_proj." in name:
         return [name.replace(".qkv_proj.", f".{proj}.") for proj in ("q_proj", "k_proj", "v_proj")]
     return [name]
@@ -196,31 +178,36 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
     # Built on meta so a 1B model does not first allocate random weights it then overwrites.
     with torch.device("meta"):
         module = LlamaForExport(config, options)
+    family = family_for(config)
     available = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
     tied = "lm_head.weight" not in available and "model.embed_tokens.weight" in available
-    sources = {name: ["model.embed_tokens.weight"] if name == "lm_head.weight" and tied else checkpoint_names(name)
+    # each parameter's pieces: (checkpoint tensor, its rows or None for all, the piece's Llama name)
+    sources = {name: [("model.embed_tokens.weight", None, name)] if name == "lm_head.weight" and tied
+               else [(*family.source(llama, module.shape), llama) for llama in llama_names(name)]
                for name, _ in module.named_parameters()}
-    missing = [s for names in sources.values() for s in names if s not in available]
-    unexpected = sorted(available - {s for names in sources.values() for s in names})
+    needed = {source for pieces in sources.values() for source, _, _ in pieces}
+    missing = sorted(needed - available)
+    unexpected = sorted(available - needed)
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint does not match the Llama layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"checkpoint does not match the {family.name} layout: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    # a folded output layer is no longer the embedding it is tied to
+    fold = functools.partial(family.fold, config)
+    share_output = tie_output and fold("lm_head.weight") == fold("model.embed_tokens.weight")
     _fill_buffers(module, config, options)
     for prefix, unit in _units(module, output_first):
         for local_name, meta in list(unit.named_parameters()):
             name = f"{prefix}.{local_name}"
             owner_name, _, attr = local_name.rpartition(".")
             owner = unit.get_submodule(owner_name) if owner_name else unit
-            if name == "lm_head.weight" and tied and tie_output:
+            if name == "lm_head.weight" and tied and share_output:
                 tensor = module.model.embed_tokens.weight.data
             else:
                 # The vocabulary-sized matrix stays in `dtype`: its scratch would be as large as itself.
                 keep_stored = prefix.startswith("model.layers.") and isinstance(owner, nn.Linear) and attr == "weight"
                 dtype = options.weight_dtype if options.weight_dtype and keep_stored else options.dtype
-                parts = [_read(state_dict, source, dtype) for source in sources[name]]
-                tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-                del parts
+                tensor = _assemble(state_dict, sources[name], dtype, fold)
                 if name == "lm_head.weight" and tied and not hasattr(state_dict, "read"):
                     tensor = tensor.clone()  # a dict's .to() may hand back the embedding tensor itself
             if tensor.shape != meta.shape:
@@ -234,6 +221,25 @@ def build_exportable(config, state_dict: Mapping[str, torch.Tensor], options: Ex
     return module.eval()
 
 
+def _assemble(state_dict: Mapping[str, torch.Tensor], pieces: list[tuple[str, slice | None, str]],
+              dtype: torch.dtype, fold: Callable[[str], float]) -> torch.Tensor:
+    """One parameter from its pieces: each checkpoint tensor read once, cut to its rows, folded, then joined."""
+    read: dict[str, torch.Tensor] = {}
+    parts = []
+    for source, rows, llama in pieces:
+        if source not in read:
+            read[source] = _read(state_dict, source, dtype)
+        part = read[source] if rows is None else read[source][rows]
+        factor = fold(llama)
+        if factor != 1.0:
+            part = (part.float() * factor).to(dtype)
+        elif rows is not None and len(pieces) == 1:
+            part = part.clone()  # rows of their own, not a view that keeps the whole fused tensor alive
+        parts.append(part)
+    del read
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def _fill_buffers(module: LlamaForExport, config, options: ExportOptions) -> None:
     """The module's non-weight state (K/V caches, rope tables, norm constants, mask) made real."""
     for name, buf in list(module.named_buffers()):
@@ -245,6 +251,7 @@ def _fill_buffers(module: LlamaForExport, config, options: ExportOptions) -> Non
             norm.fill_constants()
     module.form.fill_rope_buffers(module, config, options)
     if options.fuse_qkv:
-        module.rope_rotation.copy_(rotate_half_matrix(module.shape.head_dim).to(options.dtype))
+        module.rope_rotation.copy_(rotate_half_matrix(module.shape.head_dim, module.shape.rotary_dim).to(options.dtype))
+    if rope_on_fused(module.shape, options):
         module.rope_heads.copy_(rope_head_mask(module.shape).to(options.dtype))
     module.form.fill_module_buffers(module, options)

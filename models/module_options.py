@@ -60,7 +60,8 @@ class ExportOptions:
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """The few numbers of a Hugging Face LlamaConfig this module needs."""
+    """The few numbers of a Hugging Face LlamaConfig this module needs, and the choices by which a Llama-like
+    family's module differs from Llama's (models/families/ fills those from its config)."""
 
     vocab_size: int
     hidden: int
@@ -70,9 +71,29 @@ class LlamaShape:
     n_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    attention_bias: bool
+    attention_bias: bool  # on o_proj, and on q/k/v unless qkv_bias says otherwise
     mlp_bias: bool
     max_position_embeddings: int
+    qkv_bias: bool | None = None  # None: as attention_bias
+    # an RMSNorm over each head of q and of k (q_norm, k_norm: head_dim weights), before rope
+    qk_norm: bool = False
+    # per layer, whether it applies rope (None: every layer does)
+    rope_layers: tuple[bool, ...] | None = None
+    # the leading dims of each head that rope rotates (None: all of head_dim); the rest pass through
+    rotary_dim: int | None = None
+    # each token attends to at most this many most recent tokens (itself included); None: to all before it
+    sliding_window: int | None = None
+
+    @property
+    def q_k_v_bias(self) -> bool:
+        return self.attention_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @classmethod
     def from_config(cls, config) -> "LlamaShape":
@@ -89,4 +110,14 @@ class LlamaShape:
             attention_bias=bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             max_position_embeddings=config.max_position_embeddings,
+            sliding_window=sliding_window(config),
         )
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a config whose layers (all, or those layer_types marks) attend to a sliding window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)

@@ -17,7 +17,6 @@ from torch import nn
 
 from models.attention.base import AttentionForm
 from models.llama import LlamaForExport
-from models.rope import rotate_half
 
 class SplitLinear(nn.Module):
     """A linear computed as row blocks of its weight, joined on the output: the same numbers, narrower ops."""
@@ -59,12 +58,7 @@ def split_wide_linears(module: nn.Module, max_outputs: int) -> int:
 def _static_attention(attn: AttentionForm, x, cos, sin, k_cache, v_cache, mask):
     """One layer's attention over the given cache and this call's own keys: (output, k_new, v_new)."""
     bsz, seq_len, _ = x.shape
-    q = attn.q_proj(x).view(bsz, seq_len, attn.n_heads, attn.head_dim)
-    k = attn.k_proj(x).view(bsz, seq_len, attn.n_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).view(bsz, seq_len, attn.n_kv_heads, attn.head_dim)
-    q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
-    k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
-    v = v.transpose(1, 2)
+    q, k, v = (t.transpose(1, 2) for t in attn.project(x, (cos, sin, None)))
     keys, values = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
     if attn.n_kv_heads != attn.n_heads:
         repeat = attn.n_heads // attn.n_kv_heads

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from models.errors import UserFacingError
 from quant.awq import layer_linears
 
 # The transforms below give the parameters new tensors (`.data =`), as quant/awq.py's do, and change none in
@@ -57,6 +58,12 @@ def apply_spinquant(module) -> None:
         from torchao.prototype.spinquant.hadamard_utils import random_hadamard_matrix
         from torchao.prototype.spinquant.spinquant import _rotate_model_r1, apply_spinquant_r2
 
+    biased = [name for name, linear in module.named_modules() if isinstance(linear, torch.nn.Linear)
+              and linear.bias is not None and name.endswith(("v_proj", "qkv_proj", "o_proj", "down_proj"))]
+    if biased:
+        # R2 turns v's heads and R1 o_proj's and down_proj's outputs; torchao's rotations leave biases as they are
+        raise UserFacingError(f"SpinQuant's rotations would leave this model's biases ({biased[0]} and others) "
+                              "unrotated and change its output; choose another --quant-algorithm (awq, gptq).")
     view = _torchao_view(module)
     qkv_split = not hasattr(module.model.layers[0].self_attn, "qkv_proj")
     fold_norm_weights(module)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from models.sources.checkpoint import Checkpoint
 from models.errors import UserFacingError
+from models.families import module_shape
 from models.module_options import ATTENTION_SINK_TOKENS
 from models.prompting import prompt_token_ids
 from quant.calibration_file import CalibrationFile, read_calibration_file
@@ -143,6 +144,19 @@ def check_limits(config, recipes: list[Recipe], max_seq_len: int, options: dict)
             f"max context {max_seq_len} is beyond this model's limit of {limit} tokens "
             f"(max_position_embeddings); choose at most {limit}, or keep a ring of recent tokens "
             f"(--kv-cache-window) to generate past the context."
+        )
+    shape = module_shape(config)
+    if max_seq_len > shape.max_position_embeddings:
+        raise UserFacingError(
+            f"max context {max_seq_len} is beyond the {shape.max_position_embeddings} tokens this model's rotary "
+            f"embedding computes with one table (original_max_position_embeddings); choose at most "
+            f"{shape.max_position_embeddings}, or keep a ring of recent tokens (--kv-cache-window)."
+        )
+    if shape.sliding_window is not None and max_seq_len > shape.sliding_window:
+        raise UserFacingError(
+            f"max context {max_seq_len} is beyond this model's sliding attention window of {shape.sliding_window} "
+            f"tokens, which Lowerbench does not compute; choose at most {shape.sliding_window}, or keep a ring of "
+            f"recent tokens (--kv-cache-window)."
         )
     for name, recipe_options in options.items():
         window = recipe_options.get("kv_cache_window")

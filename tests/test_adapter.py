@@ -98,7 +98,7 @@ def test_the_merge_keeps_safetensors_lazy_and_a_checkpoint_without_adapter_uncha
     assert torch.equal(checkpoint.state_dict["model.norm.weight"], tiny_checkpoint.state_dict["model.norm.weight"])
 
     assert isinstance(tiny_checkpoint.state_dict, SafetensorsWeights) and tiny_checkpoint.adapter is None
-    assert list(tiny_checkpoint.describe()) == ["source", "id", "revision", "architecture", "parameters"]
+    assert list(tiny_checkpoint.describe()) == ["source", "id", "revision", "architecture", "family", "parameters"]
 
 
 def refused(tiny_llama_dir, adapter, **kwargs) -> str:

@@ -35,7 +35,7 @@ def gpt2_gguf(tmp_path_factory):
 def test_gguf_of_another_architecture_is_refused(gpt2_gguf, tmp_path):
     out = tmp_path / "out"
     result = run_cli("run", "--model", str(gpt2_gguf), "--recipe", "xnnpack-fp32", "--out", str(out))
-    _fails_cleanly(result, out, "architecture 'gpt2'", "only Llama")
+    _fails_cleanly(result, out, "architecture 'gpt2'", "reads GGUF files of llama")
 
 
 def test_missing_local_path_is_refused(tmp_path):

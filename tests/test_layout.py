@@ -1,9 +1,10 @@
 """The layout's rules, read from the code itself: no import cycle among the project's modules (imports inside
-functions count too), the layers point one way as docs/design.md's table orders them, and a backend is named by no
-module outside its own file."""
+functions count too), the layers point one way as docs/design.md's table orders them, and a backend or a model family
+is named by no module outside its own file."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -180,3 +181,47 @@ def test_a_project_import_inside_a_function_says_why():
     say): then a comment says so."""
     modules = project_modules()
     assert [line for path in modules.values() for line in unexplained_function_imports(path, modules)] == []
+
+
+def family_words() -> dict[str, re.Pattern]:
+    """Each family other than Llama itself (the shared module's own) -> the words that name it: its name, its
+    architectures and model types, as its file in models/families/ declares them."""
+    from models.families import families
+
+    words = {}
+    for name, family in families().items():
+        if name == "llama":
+            continue
+        names = sorted({name, *family.architectures, *family.model_types}, key=len, reverse=True)
+        words[name] = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(map(re.escape, names)) + r")(?![a-z0-9])",
+                                 re.IGNORECASE)
+    return words
+
+
+# The demo apps' own names of a chat format (Android LlamaDemo's model types, etLLM's file prefixes), not a family's.
+FAMILY_WORDS_ALLOWED = {"recipes.output.how_to_run": {"smollm3"}}
+
+
+def modules_naming_a_family(modules: dict[str, Path], words: dict[str, re.Pattern]) -> dict[str, list[str]]:
+    found = {}
+    for module, path in modules.items():
+        allowed = FAMILY_WORDS_ALLOWED.get(module, set())
+        named = sorted(family for family, pattern in words.items()
+                       if module != f"models.families.{family}" and family not in allowed
+                       and pattern.search(path.read_text()))
+        if named:
+            found[module] = named
+    return found
+
+
+def test_a_family_is_named_by_no_module_outside_its_own_file():
+    """The module, the attention forms, quantization, the backends and the report take a family's differences as
+    generic choices; only models/families/<family>.py names it."""
+    assert modules_naming_a_family(project_modules(), family_words()) == {}
+
+
+def test_a_module_naming_a_family_is_found(tmp_path):
+    (tmp_path / "shape.py").write_text('if config.model_type == "qwen3":\n    qk_norm = True\n')
+    (tmp_path / "plain.py").write_text("qwen30 = 1  # another word\n")
+    modules = {"models.shape": tmp_path / "shape.py", "models.plain": tmp_path / "plain.py"}
+    assert modules_naming_a_family(modules, family_words()) == {"models.shape": ["qwen3"]}

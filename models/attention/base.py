@@ -1,5 +1,5 @@
-"""What every attention form shares: the q/k/v projections, rope on q and k, the output projection, and the
-registry the forms join. A form says how its cache is laid out and written, how a layer attends over it, and
+"""What every attention form shares: the q/k/v projections, a norm on q and k, rope on them, the output projection,
+and the registry the forms join. A form says how its cache is laid out and written, how a layer attends over it, and
 what a call makes once for every layer."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.module_options import ExportOptions, LlamaShape
+from models.rms_norm import RMSNorm
 from models.rope import rope_tables, rotate_half
 
 FORMS: dict[tuple[str, bool], type["AttentionForm"]] = {}
@@ -22,6 +23,11 @@ def form(name: str, ring: bool = False):
     return register
 
 
+def rope_on_fused(shape: LlamaShape, options: ExportOptions) -> bool:
+    """Whether rope turns the fused q/k/v as one tensor (its tables then cover every head)."""
+    return options.fuse_qkv and not shape.qk_norm
+
+
 class AttentionForm(nn.Module):
     form_name: str = ""
     ring: bool = False
@@ -31,7 +37,7 @@ class AttentionForm(nn.Module):
     def __init__(self, shape: LlamaShape, options: ExportOptions):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
-        hidden, bias = shape.hidden, shape.attention_bias
+        hidden, bias = shape.hidden, shape.q_k_v_bias
         self.fused_qkv = options.fuse_qkv
         if self.fused_qkv:
             # q, k and v heads from one linear (build_exportable concatenates the checkpoint's weights)
@@ -41,7 +47,15 @@ class AttentionForm(nn.Module):
             self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
             self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
             self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=shape.attention_bias)
+        self.qk_norm = shape.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps, options.norm)
+            self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps, options.norm)
+        self.rotary_dim = shape.rotary_dim
+        # rope on the fused q/k/v before the split; a norm on q and k comes first, so it then waits for the split
+        self.rope_on_fused = rope_on_fused(shape, options)
+        self.use_rope = True  # the decoder layer turns it off for a layer without rope
         cache_shape = self.cache_shape(shape, options)
         self.register_buffer("k_cache", torch.zeros(cache_shape, dtype=options.cache_storage), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, dtype=options.cache_storage), persistent=False)
@@ -60,26 +74,40 @@ class AttentionForm(nn.Module):
 
     def forward(self, x, rope, start_pos, positions, mask):
         # x: [1, T, hidden]; rope: cos, sin [1, T, 1 or all heads, head_dim] and, fused, the rotate_half matrix
+        bsz = x.shape[0]
+        q, k, v = self.project(x, rope)
+        out = self.attend(q, k, v, start_pos, positions, mask)
+        return self.o_proj(out.reshape(bsz, -1, self.n_heads * self.head_dim))
+
+    def project(self, x, rope):
+        """q [1, T, heads, head_dim], k and v [1, T, kv heads, head_dim] of x [1, T, hidden]: projected, q and k
+        normed where the model norms them, then rotated (rope: cos, sin and, fused, the rotate_half matrix)."""
         # Views say -1 for T rather than a symbolic size: some partitioners delegate only that form.
-        bsz, seq_len, _ = x.shape
+        bsz = x.shape[0]
         cos, sin, rotation = rope
         if self.fused_qkv:
             # Rope on all heads at once, with cos 1 and sin 0 on the v heads (exact: v * 1 + R(v) * 0 == v),
             # then split, so that a partitioner that slices no dynamic-length tensor meets the split only where
             # the attention ops take over.
             qkv = self.qkv_proj(x).view(bsz, -1, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-            # rotate_half as a product with a constant signed permutation: no slice of a dynamic-length tensor,
-            # which would cut every layer into two more partitions there.
-            qkv = qkv * cos + F.linear(qkv, rotation) * sin
+            if self.use_rope and self.rope_on_fused:
+                qkv = self.rotate(qkv, cos, sin, rotation)
             q, k, v = qkv.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=2)
         else:
             q = self.q_proj(x).view(bsz, -1, self.n_heads, self.head_dim)
             k = self.k_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
             v = self.v_proj(x).view(bsz, -1, self.n_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-        out = self.attend(q, k, v, start_pos, positions, mask)
-        return self.o_proj(out.reshape(bsz, -1, self.n_heads * self.head_dim))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope and not self.rope_on_fused:
+            q, k = self.rotate(q, cos, sin, rotation), self.rotate(k, cos, sin, rotation)
+        return q, k, v
+
+    def rotate(self, x, cos, sin, rotation):
+        # rotate_half as a product with a constant signed permutation where one is given: no slice of a
+        # dynamic-length tensor, which would cut every layer into two more partitions there.
+        turned = rotate_half(x, self.rotary_dim) if rotation is None else F.linear(x, rotation)
+        return x * cos + turned * sin
 
     def attend(self, q, k, v, start_pos, positions, mask) -> torch.Tensor:
         """q [1, T, heads, head_dim], k and v [1, T, kv heads, head_dim] -> [1, T, heads, head_dim], the cache
@@ -90,13 +118,13 @@ class AttentionForm(nn.Module):
     @classmethod
     def add_rope_buffers(cls, module: nn.Module, config, options: ExportOptions) -> None:
         """cos/sin tables of every position the cache holds."""
-        cos, sin = rope_tables(config, options.max_seq_len)
+        cos, sin = rope_tables(config, options.max_seq_len, module.shape.head_dim)
         module.register_buffer("rope_cos", cos.to(options.dtype), persistent=False)
         module.register_buffer("rope_sin", sin.to(options.dtype), persistent=False)
 
     @classmethod
     def fill_rope_buffers(cls, module: nn.Module, config, options: ExportOptions) -> None:
-        cos, sin = rope_tables(config, options.max_seq_len)
+        cos, sin = rope_tables(config, options.max_seq_len, module.shape.head_dim)
         module.rope_cos.copy_(cos.to(options.dtype))
         module.rope_sin.copy_(sin.to(options.dtype))
 

@@ -53,8 +53,8 @@ class RingCache(ExecutorchOpsAttention):
 
     @classmethod
     def rope(cls, module, positions, dtype):
-        cos, sin = rope_at(positions, module.rope_inv_freq, module.rope_scaling)
         head_dim = module.shape.head_dim
+        cos, sin = rope_at(positions, module.rope_inv_freq, module.rope_scaling, head_dim)
         return cos.to(dtype).view(1, -1, 1, head_dim), sin.to(dtype).view(1, -1, 1, head_dim)
 
 

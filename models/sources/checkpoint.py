@@ -20,9 +20,10 @@ import torch
 from models.sources.adapter import LoraAdapter, check_adapter_base, check_adapter_fits, load_adapter
 from models.sources.adapter_merge import merge_adapter
 from models.sources.builtin import converted_folder, is_complete, save_converted
-from models.sources.config import check_llama_config, read_config
+from models.sources.config import check_supported_config, read_config
 from models.sources.consistency import check_config_sizes, check_tensors, check_token_ids
 from models.errors import UserFacingError, last_line
+from models.families import families, family_for, family_of_gguf
 from models.sources.hub import download_from_hub
 
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -35,7 +36,7 @@ class Checkpoint:
     source: str  # "builtin", "hub", "local-folder" or "gguf"
     id: str
     revision: str | None
-    config: object  # transformers LlamaConfig
+    config: object  # the transformers config of its family (LlamaConfig, Qwen3Config, ...)
     # SafetensorsWeights (read on demand, in the stored dtype) or, for GGUF and pickle files, a dict
     state_dict: Mapping[str, torch.Tensor] = field(repr=False)
     tokenizer: object = field(repr=False)
@@ -70,6 +71,7 @@ class Checkpoint:
             "id": self.id,
             "revision": self.revision,
             "architecture": self.architecture,
+            "family": family_for(self.config).name,
             "parameters": self.parameters,
         }
         if self.adapter is not None:  # a checkpoint without one describes itself as before
@@ -350,17 +352,21 @@ def gguf_architecture(path: Path) -> str:
         raise UserFacingError(f"{path.name} is not a readable GGUF file ({err}).") from None
 
 
+def check_gguf_architecture(architecture: str, where: str) -> None:
+    """A GGUF architecture a family declares (one transformers reads into that family's model)."""
+    if family_of_gguf(architecture) is None:
+        readable = ", ".join(f.gguf_architecture for f in families().values() if f.gguf_architecture)
+        raise UserFacingError(f"{where} holds a GGUF model of architecture {architecture!r}; Lowerbench reads GGUF "
+                              f"files of {readable}. Give the model's Hugging Face folder (safetensors) instead.")
+
+
 def load_gguf(path: Path, check_config=None) -> Checkpoint:
     """Through transformers, which dequantizes the whole file to fp32 at once: fine for the built-in 135M
     model, the one GGUF Lowerbench ships; a large GGUF is better converted to safetensors first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    arch = gguf_architecture(path)
-    if arch != "llama":
-        raise UserFacingError(
-            f"{path.name} holds a GGUF model of architecture {arch!r}; Lowerbench takes only Llama GGUF files."
-        )
+    check_gguf_architecture(gguf_architecture(path), path.name)
     try:
         header_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         check_config_sizes(header_config, path.name)
@@ -370,12 +376,12 @@ def load_gguf(path: Path, check_config=None) -> Checkpoint:
     except UserFacingError:
         raise
     except Exception as err:  # transformers raises many types for a GGUF whose metadata and tensors disagree
-        raise UserFacingError(f"{path.name} could not be read as a Llama ({type(err).__name__}: "
+        raise UserFacingError(f"{path.name} could not be read as a model ({type(err).__name__}: "
                               f"{last_line(err)}); convert the model "
                               "again or give its Hugging Face folder.") from None
     config = model.config
     config.quantization_config = None
-    check_llama_config(config, path.name)
+    check_supported_config(config, path.name)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     check_tensors(config, state, path.name)
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name)

@@ -1,27 +1,32 @@
-"""A checkpoint's config.json: read, and judged to be a Llama before anything else is read."""
+"""A checkpoint's config.json: read, and judged to be of a family Lowerbench computes (models/families/) before
+anything else is read."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from models.errors import UserFacingError, last_line
+from models.families import families, family_named
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+def supported_families() -> str:
+    return "; ".join(f"{family.name} ({', '.join(family.architectures)})" for family in families().values())
 
 
-def check_llama_config(config, where: str) -> None:
+def check_supported_config(config, where: str) -> None:
+    """Refuses a config whose architecture (or, naming none, model_type) no family takes: a state-space model,
+    a mixture of experts, an encoder."""
     architectures = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
-    if architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        raise UserFacingError(
-            f"{where} is a {', '.join(architectures)} (model_type {model_type!r}); Lowerbench takes only "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} checkpoints (Llama 2/3, SmolLM2, TinyLlama, ...)."
-        )
-    if not architectures and model_type != "llama":
-        raise UserFacingError(
-            f"{where} has model_type {model_type!r}; Lowerbench takes only Llama-family "
-            f"({', '.join(SUPPORTED_ARCHITECTURES)}) checkpoints."
-        )
+    if family_named(config) is not None:
+        return
+    what = f"a {', '.join(architectures)} (model_type {model_type!r})" if architectures else \
+        f"of model_type {model_type!r}"
+    raise UserFacingError(
+        f"{where} is {what}, which Lowerbench does not compute. It takes dense decoder-only models of these "
+        f"families: {supported_families()}. Choose a checkpoint of one of them (a mixture-of-experts or state-space "
+        "model has no dense form here); a new Llama-like family is one file in models/families/."
+    )
 
 
 def read_config(folder: Path):
@@ -41,7 +46,7 @@ def read_config(folder: Path):
     if not isinstance(raw, dict):
         raise UserFacingError(f"{config_file} holds a JSON {type(raw).__name__}, not an object of settings; "
                               "re-download the model.")
-    check_llama_config(_RawConfig(raw), str(folder))
+    check_supported_config(_RawConfig(raw), str(folder))
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:  # transformers' validators raise several types, the reason on the error's last line
@@ -54,7 +59,7 @@ def read_config(folder: Path):
 
 
 class _RawConfig:
-    """Lets check_llama_config judge config.json before transformers parses (and maybe rejects) it."""
+    """Lets check_supported_config judge config.json before transformers parses (and maybe rejects) it."""
 
     def __init__(self, raw: dict):
         self.architectures = raw.get("architectures")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from models.sources.builtin import converted_folder, is_complete
 from models.sources.checkpoint import BUILTIN_ID, builtin_gguf_path
-from models.sources.checkpoint import gguf_architecture
-from models.sources.config import check_llama_config, read_config
+from models.sources.checkpoint import check_gguf_architecture, gguf_architecture
+from models.sources.config import check_supported_config, read_config
 from models.sources.consistency import check_config_sizes
 from models.errors import UserFacingError
 from models.sources.hub import check_repo_id, check_revision, hub_error
@@ -53,16 +53,13 @@ def gguf_config(path: str, _mtime_ns: int, _size: int):
     from transformers import AutoConfig
 
     path_ = Path(path)
-    architecture = gguf_architecture(path_)
-    if architecture != "llama":
-        raise UserFacingError(f"{path_.name} holds a GGUF model of architecture {architecture!r}; Lowerbench takes "
-                              "only Llama GGUF files.")
+    check_gguf_architecture(gguf_architecture(path_), path_.name)
     try:
         config = AutoConfig.from_pretrained(path_.parent, gguf_file=path_.name)
     except Exception as err:  # transformers raises many types for metadata it cannot read
         raise UserFacingError(f"{path_.name}'s metadata could not be read ({type(err).__name__}); convert the model "
                               "again or give its Hugging Face folder.") from None
-    check_llama_config(config, path_.name)
+    check_supported_config(config, path_.name)
     check_config_sizes(config, path_.name)
     return config
 

@@ -146,6 +146,7 @@ class ModelInfo(Section):
     id: str | None = None
     revision: str | None = None
     architecture: str | None = None
+    family: str | None = optional()  # models/families/ name; a report of an older version has none
     parameters: int | None = None
     adapter: AdapterInfo | None = optional(_loader(AdapterInfo))  # a job without one writes no key
 

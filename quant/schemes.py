@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from models.errors import UserFacingError
-from models.llama import LlamaShape
+from models.families import module_shape
 from quant.algorithms import AFFINE, ALGORITHMS, PLAIN_ALGORITHM, SEARCH_QPARAMS, offered_algorithms, prepare_weights
 from quant.gptq import apply_gptq
 from quant.hqq import hqq_by_cache_sized_rows
@@ -379,7 +379,7 @@ def check_group_size(scheme: str, group_size: int | None) -> None:
 
 def linear_input_dims(config) -> dict[str, int]:
     """Input width of every linear of a Llama, by role: what a weight group must divide."""
-    shape = LlamaShape.from_config(config)
+    shape = module_shape(config)
     return {"q/k/v/gate/up/lm_head": shape.hidden, "o_proj": shape.n_heads * shape.head_dim,
             "down_proj": shape.intermediate}
 

@@ -276,7 +276,7 @@ def estimate_over_measured(cell) -> float:
     from zoo.entries import find_entry
 
     planned_for = cell.task.memory_limit_bytes if cell.task else None  # what the cell's job planned its memory for
-    estimate = estimate_job(find_entry(cell.model).llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len,
+    estimate = estimate_job(find_entry(cell.model).model_config(), [get_recipe(cell.recipe)], cell.max_seq_len,
                             not cell.export_only, budget_bytes=planned_for or 10**12,
                             options={cell.recipe: cell.options})
     return estimate.peak_rss_bytes / (cell.measured.peak_rss_mb * 2**20)

@@ -1,4 +1,4 @@
-"""The zoo's data: every entry is a Llama config the pipeline loads, and every recommendation fits it."""
+"""The zoo's data: every entry is a config of a family the pipeline loads, and every recommendation fits it."""
 import json
 import math
 from pathlib import Path
@@ -18,21 +18,22 @@ def test_zoo_lists_the_required_models():
 
 
 @pytest.mark.parametrize("repo_id", sorted(ENTRIES))
-def test_zoo_entry_config_loads_as_llama_config(repo_id, tmp_path):
+def test_zoo_entry_config_loads_as_its_familys_config(repo_id, tmp_path):
     """The entry's config as a checkpoint's config.json, read as the pipeline reads one: transformers picks the
-    config class by model_type, so a config that is no Llama's is not taken for one (entry.llama_config() makes a
-    LlamaConfig of whatever it is given); and the shape the zoo's estimates read from it is the one a job builds."""
-    from transformers import LlamaConfig
-
+    config class by model_type, which must be one its family (named by its architectures) takes; and the shape the
+    zoo's estimates read from it is the one a job builds."""
+    from models.families import family_named, module_shape
     from models.sources.config import read_config
-    from models.llama import LlamaShape, checkpoint_tensors
+    from models.llama import checkpoint_tensors
 
     entry = ENTRIES[repo_id]
     (tmp_path / "config.json").write_text(json.dumps(entry.config))
-    loaded = read_config(tmp_path)  # raises on a config that is no Llama's or whose sizes do not fit together
-    assert type(loaded) is LlamaConfig, type(loaded).__name__
-    config = entry.llama_config()
-    assert LlamaShape.from_config(config) == LlamaShape.from_config(loaded)
+    loaded = read_config(tmp_path)  # raises on a config of no family's or whose sizes do not fit together
+    config = entry.model_config()
+    family = family_named(loaded)
+    assert family is not None and loaded.model_type in family.model_types, (family, loaded.model_type)
+    assert type(loaded) is type(config), type(loaded).__name__
+    assert module_shape(config) == module_shape(loaded)
     # the module's tensors hold the entry's published parameter count (embeddings counted once when tied)
     counted = sum(math.prod(size) for name, size in checkpoint_tensors(config).items()
                   if not (config.tie_word_embeddings and name == "lm_head.weight"))
@@ -77,7 +78,7 @@ def test_builtin_zoo_entry_matches_the_builtin_checkpoint_config():
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
         assert getattr(config, key) == pytest.approx(entry.config[key]), key
-    assert config.rope_parameters["rope_theta"] == entry.llama_config().rope_parameters["rope_theta"]
+    assert config.rope_parameters["rope_theta"] == entry.model_config().rope_parameters["rope_theta"]
 
 
 def test_matrix_cli_refuses_an_unknown_model_or_recipe_before_starting_ray(tmp_path):

@@ -35,10 +35,13 @@ class ZooEntry:
     def slug(self) -> str:
         return Path(self.path).stem if self.path else repo_slug(self.repo_id)
 
-    def llama_config(self):
-        from transformers import LlamaConfig
+    def model_config(self):
+        """The published config as its family's transformers config class (chosen by model_type, as a checkpoint's
+        config.json is read)."""
+        from transformers import AutoConfig
 
-        return LlamaConfig(**self.config)
+        fields = {k: v for k, v in self.config.items() if k != "model_type"}
+        return AutoConfig.for_model(self.config["model_type"], **fields)
 
 
 def read_entry(path: Path) -> ZooEntry:
@@ -72,7 +75,7 @@ def recommendation_problems(entry: ZooEntry) -> list[str]:
     from recipes.registry import RECIPES, load_backends
 
     load_backends()
-    config = entry.llama_config()
+    config = entry.model_config()
     limit = config.max_position_embeddings
     dims = linear_input_dims(config)
     problems = []

@@ -133,7 +133,7 @@ def base_record(cell: Cell) -> CellResult:
     now = time.gmtime()
     return CellResult(
         key=cell.key, model=cell.entry.repo_id, recipe=cell.recipe, backend=get_recipe(cell.recipe).backend.name,
-        params=parameter_count(cell.entry.llama_config()),
+        params=parameter_count(cell.entry.model_config()),
         options=cell.options, max_seq_len=cell.max_seq_len, export_only=not cell.generate,
         weights=cell.weights, model_identity=cell.identity, versions=cell.versions,
         date=time.strftime("%Y-%m-%d", now), measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
@@ -333,7 +333,7 @@ def run_matrix(cells: list[Cell], out: Path, keep_pte: bool = False, log=print, 
     pending: dict[object, Cell] = {}
     finished = 0
     for cell in todo:
-        estimate = estimate_job(cell.entry.llama_config(), [get_recipe(cell.recipe)], cell.max_seq_len, cell.generate,
+        estimate = estimate_job(cell.entry.model_config(), [get_recipe(cell.recipe)], cell.max_seq_len, cell.generate,
                                 budget_bytes=node_memory, options={cell.recipe: cell.options})
         refused = refusal(cell, estimate, node_memory)
         if refused is not None:

@@ -134,7 +134,7 @@ def write_heatmap(cells: list[CellResult], path: Path) -> None:
 
 def write_readme(document: ZooResults, folder: Path) -> None:
     entries = load_entries()  # a matrix may also run entries from elsewhere: those have no size here
-    series = scaling_series(document.cells, lambda model: parameter_count(entries[model].llama_config())
+    series = scaling_series(document.cells, lambda model: parameter_count(entries[model].model_config())
                             if model in entries else None)
     write_atomically(Path(folder) / "README.md", readme_text(document, scaling=bool(series)).encode())
     if document.cells:

@@ -94,7 +94,7 @@ def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
     at a time, so an 8B checkpoint needs about a shard's bytes, not the model's."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     if is_written(folder):
@@ -102,10 +102,12 @@ def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    llama_config = LlamaConfig(**config)
+    # the family's own transformers model names the tensors, as its published checkpoints do
+    model_config = AutoConfig.for_model(config.get("model_type", "llama"),
+                                        **{k: v for k, v in config.items() if k != "model_type"})
     with torch.device("meta"):  # shapes only: no memory for a model built just to name its tensors
-        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(llama_config).state_dict().items()}
-    if llama_config.tie_word_embeddings:
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(model_config).state_dict().items()}
+    if model_config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     generator = torch.Generator().manual_seed(seed)
     std = float(config.get("initializer_range", 0.02))

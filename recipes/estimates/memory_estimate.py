@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from models.errors import UserFacingError
-from models.llama import LlamaShape, kv_cache_bytes
+from models.families import module_shape
+from models.llama import kv_cache_bytes
 from quant.algorithms import ALGORITHMS, LIGHTEST_ALGORITHM
 from quant.calibration import CALIBRATION_TOKENS
 from quant.quantize import quantizes_by_unit, recipe_algorithm, transforms_by_unit
@@ -100,7 +101,7 @@ def _methods(recipe) -> int:
 
 
 def _weights(config) -> _Weights:
-    s = LlamaShape.from_config(config)
+    s = module_shape(config)
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     per_layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate
     embedding = s.vocab_size * s.hidden
@@ -135,7 +136,7 @@ def pte_bytes(config, recipe) -> int:
 
 
 def _kv_cache_bytes(config, max_seq_len: int, dtype_bytes: int) -> int:
-    s = LlamaShape.from_config(config)
+    s = module_shape(config)
     return 2 * s.n_layers * max_seq_len * s.n_kv_heads * s.head_dim * dtype_bytes
 
 
@@ -145,7 +146,7 @@ def _recipe_cache_bytes(config, recipe, max_seq_len: int, options: dict) -> int:
     [max_seq_len, max_seq_len]."""
     form = recipe.export_options(max_seq_len, options)
     mask = max_seq_len * max_seq_len if form.attention == "sdpa" else 0
-    return kv_cache_bytes(LlamaShape.from_config(config), form) + mask
+    return kv_cache_bytes(module_shape(config), form) + mask
 
 
 def estimate_job(config, recipes: list, max_seq_len: int, generate: bool,
@@ -234,7 +235,7 @@ def _estimate(config, recipes: list, max_seq_len: int, reference: _Reference | N
         if transforms_by_unit(recipe.quantization, recipe_options):
             # beside the module so far: one float decoder layer and the copies its transform's search holds
             copies = ALGORITHMS[recipe_algorithm(recipe.quantization, recipe_options)].unit_search_copies
-            shape = LlamaShape.from_config(config)
+            shape = module_shape(config)
             widest = shape.hidden * 2 * shape.intermediate
             quantize = max(quantize, before + module + (w.per_layer + copies * widest) * 4)
         if scheme.apply is not None and not quantizes_by_unit(recipe.quantization, recipe_options):

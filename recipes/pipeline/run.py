@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from models.sources.checkpoint import Checkpoint, load_checkpoint
-from models.llama import ExportOptions, LlamaShape, build_exportable, kv_cache_bytes
+from models.families import module_shape
+from models.llama import ExportOptions, build_exportable, kv_cache_bytes
 from models.module_options import ATTENTION_SINK_TOKENS
 from quant.calibration_file import CalibrationFile
 from quant.layer_error import eager_layer_outputs
@@ -176,7 +177,7 @@ def kv_cache_section(recipe: Recipe, options: dict, config, max_seq_len: int) ->
     form = recipe.export_options(max_seq_len, options)
     return KvCache(dtype=options["kv_cache"], window=form.kv_window,
                    sink_tokens=ATTENTION_SINK_TOKENS if form.kv_window else None, rows=form.cache_rows,
-                   bytes=kv_cache_bytes(LlamaShape.from_config(config), form), tokens_per_call=form.call_tokens)
+                   bytes=kv_cache_bytes(module_shape(config), form), tokens_per_call=form.call_tokens)
 
 
 def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, needed_later: set[tuple]) -> Report:

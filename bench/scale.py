@@ -19,7 +19,7 @@ from bench.runner import RUNNER
 from bench.scale_models import CONFIGS, make_checkpoint, parameter_count
 from recipes.output.report import Report, load_report
 
-SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "llama-3.2-3b", "llama-3.1-8b")
+SHAPES = ("smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "qwen3-1.7b", "llama-3.2-3b", "llama-3.1-8b")
 RECIPE = "xnnpack-8da4w"
 # optimum-cli's int4 qparams (HQQ scale-only), which RECIPE is exported with here so both tools do the same work
 PEER_QPARAMS = "hqq"

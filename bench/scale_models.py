@@ -5,7 +5,7 @@ safetensors shards (models/sources/random_checkpoint.py) + model.safetensors.ind
 
 The config values are copied from each model's config.json on the Hugging Face Hub (meta-llama/
 Llama-3.2-1B-Instruct, meta-llama/Llama-3.2-3B-Instruct, meta-llama/Llama-3.1-8B-Instruct,
-TinyLlama/TinyLlama-1.1B-Chat-v1.0). Random weights
+TinyLlama/TinyLlama-1.1B-Chat-v1.0; Qwen/Qwen3-1.7B through zoo/models/). Random weights
 time exactly as real ones here: every program Lowerbench and optimum make is the same sequence of kernels
 whatever the weights hold (no data-dependent control flow: no early exit, no sparsity, no expert routing),
 and greedy decoding runs a fixed number of steps because end of sequence is ignored.
@@ -48,38 +48,19 @@ CONFIGS = {
         "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "use_cache": True, "vocab_size": 32000,
     },
+    # a Llama-like family beside Llama-3.2-1B, from the zoo's copy of its published config
+    "qwen3-1.7b": json.loads((Path(__file__).resolve().parent.parent / "zoo" / "models" / "qwen3-1.7b.json")
+                             .read_text())["config"],
 }
-
-
-def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face LlamaForCausalLM's parameter names and shapes for `config`."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        })
-    shapes["model.norm.weight"] = (hidden,)
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    return shapes
 
 
 def parameter_count(config: dict) -> int:
     from math import prod
 
-    return sum(prod(shape) for shape in tensor_shapes(config).values())
+    from models.sources.random_checkpoint import checkpoint_shapes  # loads torch, which bench's driver leaves to
+    # the processes it starts
+
+    return sum(prod(shape) for shape in checkpoint_shapes(config).values())
 
 
 def make_checkpoint(name: str, dest: Path, seed: int = 0) -> Path:

@@ -89,12 +89,26 @@ def is_written(folder: Path) -> bool:
         (folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
 
 
+def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors a published checkpoint with this config.json holds, and their shapes: named by the family's own
+    transformers model (a tied output layer is not stored)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = AutoConfig.for_model(config.get("model_type", "llama"),
+                                        **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):  # shapes only: no memory for a model built just to name its tensors
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(model_config).state_dict().items()}
+    if model_config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
 def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
     """Writes the folder once (atomically: built beside it, then renamed); returns it. One shard is in memory
     at a time, so an 8B checkpoint needs about a shard's bytes, not the model's."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     if is_written(folder):
@@ -102,13 +116,7 @@ def write_random_checkpoint(config: dict, folder: Path, seed: int = 0) -> Path:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    # the family's own transformers model names the tensors, as its published checkpoints do
-    model_config = AutoConfig.for_model(config.get("model_type", "llama"),
-                                        **{k: v for k, v in config.items() if k != "model_type"})
-    with torch.device("meta"):  # shapes only: no memory for a model built just to name its tensors
-        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(model_config).state_dict().items()}
-    if model_config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
+    shapes = checkpoint_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     std = float(config.get("initializer_range", 0.02))
     shards = _shards(shapes)

@@ -1,7 +1,8 @@
 """Each Llama-like family (models/families/) against transformers' own model of it: a tiny random checkpoint made with
 the family's config class and saved by transformers, loaded through Lowerbench's loading path, gives transformers'
 logits in fp32 eager (separate and fused q/k/v), its xnnpack-fp32 program gives eager's greedy text on the ExecuTorch
-runtime, and its xnnpack-8da4w program generates in ExecuTorch's LLM runner."""
+runtime and in ExecuTorch's LLM runner (where its program differs from a Llama's), and a norm on q and k heads lowers
+through xnnpack-8da4w, Core ML and QNN."""
 import json
 from pathlib import Path
 
@@ -162,12 +163,12 @@ def test_xnnpack_fp32_on_the_runtime_and_in_the_llm_runner_gives_eagers_greedy_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
-def test_xnnpack_8da4w_folder_generates_in_executorchs_llm_runner(family, family_checkpoints, tmp_path):
-    """int4 linears beside a norm on q and k heads, and beside partial rope (minmax: the quickest algorithm)."""
+def test_xnnpack_8da4w_folder_generates_in_executorchs_llm_runner(family_checkpoints, tmp_path):
+    """int4 linears and dynamically quantized activations beside a norm on q and k heads (minmax: the quickest
+    algorithm)."""
     from recipes.running.llm_runner import generate_with_runner
 
-    checkpoint = family_checkpoints[family]
+    checkpoint = family_checkpoints["qwen3"]
     _module, lowered, recipe = _lowered_folder(checkpoint, tmp_path, "xnnpack-8da4w", {"quant_algorithm": "minmax"})
     assert lowered.delegation.delegated_nodes > 0
     generation = generate_with_runner(tmp_path / "model.pte", tmp_path / "tokenizer.json", checkpoint.tokenizer,
@@ -240,3 +241,61 @@ def test_a_longrope_context_beyond_its_original_length_is_refused(family_checkpo
 
     with pytest.raises(UserFacingError, match="original_max_position_embeddings"):
         check_limits(family_checkpoints["phi3"].config, [get_recipe("xnnpack-fp32")], 512, {"xnnpack-fp32": {}})
+
+
+@pytest.mark.slow
+def test_a_norm_on_q_and_k_lowers_whole_into_core_ml(family_checkpoints):
+    """Qwen3's per-head q/k norms go into the Core ML program with every linear and the attention."""
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
+    from recipes.registry import get_recipe
+
+    checkpoint = family_checkpoints["qwen3"]
+    layers = checkpoint.config.num_hidden_layers
+    delegation = prepare_and_lower(RecipeJob(get_recipe("coreml-fp16"), {}, checkpoint, 32)).lowered.delegation
+    ops = {o.op: o for o in delegation.ops}
+    assert ops["aten_linear_default"].delegated == layers * 7 + 1 and ops["aten_linear_default"].non_delegated == 0
+    assert ops["aten_scaled_dot_product_attention_default"].non_delegated == 0
+    assert ops["aten_rsqrt_default"].delegated == layers * 4 + 1 and ops["aten_rsqrt_default"].non_delegated == 0
+    assert {o.op for o in delegation.ops if o.non_delegated} <= {"getitem"}
+
+
+@pytest.mark.slow
+def test_a_norm_on_q_and_k_lowers_into_one_qnn_program(family_checkpoints):
+    """Qwen3 through QNN's PT2E quantization and partitioner: every linear (as a 1x1 convolution) in one program."""
+    from recipes.pipeline.prepare import RecipeJob, prepare_and_lower
+    from recipes.registry import get_recipe
+    from tests.test_qnn import needs_qnn
+
+    if needs_qnn.args[0]:
+        pytest.skip(needs_qnn.kwargs["reason"])
+    checkpoint = family_checkpoints["qwen3"]
+    layers = checkpoint.config.num_hidden_layers
+    delegation = prepare_and_lower(RecipeJob(get_recipe("qnn-16a4w"), {}, checkpoint, 32)).lowered.delegation
+    ops = {o.op: o for o in delegation.ops}
+    assert ops["aten_convolution_default"].delegated == layers * 7 + 1
+    assert ops["aten_convolution_default"].non_delegated == 0
+    assert delegation.delegated_subgraphs <= 2
+
+
+def test_gguf_files_of_the_families_transformers_reads_are_taken_and_others_refused():
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    from models.families import families
+    from models.sources.checkpoint import check_gguf_architecture
+
+    declared = [family.gguf_architecture for family in families().values() if family.gguf_architecture]
+    assert {"llama", "qwen2", "qwen3", "phi3", "mistral"} <= set(declared) <= set(GGUF_CONFIG_MAPPING)
+    for architecture in declared:
+        check_gguf_architecture(architecture, "model.gguf")
+    with pytest.raises(UserFacingError, match="architecture 'mamba'.*qwen3.*Hugging Face folder"):
+        check_gguf_architecture("mamba", "model.gguf")
+
+
+def test_the_reports_model_section_names_the_family_and_an_older_report_still_loads(family_checkpoints):
+    from recipes.output.report import ModelInfo
+
+    described = family_checkpoints["phi3"].describe()
+    assert ModelInfo.from_dict(described, strict=True).to_dict() == described and described["family"] == "phi3"
+    older = {key: value for key, value in described.items() if key != "family"}
+    assert ModelInfo.from_dict(older, strict=True).family is None
+    assert ModelInfo.from_dict(older, strict=True).to_dict() == older

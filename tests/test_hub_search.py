@@ -1,4 +1,4 @@
-"""The repo box's suggestions (app.hub_suggestion_note): Llama-family repos from the Hub's model listing on
+"""The repo box's suggestions (app.hub_suggestion_note): repos of the supported families from the Hub's listing on
 tests/hub_server.py, gated ones marked, and what it says when the Hub cannot be reached."""
 import app
 

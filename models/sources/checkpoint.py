@@ -36,7 +36,7 @@ class Checkpoint:
     source: str  # "builtin", "hub", "local-folder" or "gguf"
     id: str
     revision: str | None
-    config: object  # the transformers config of its family (LlamaConfig, Qwen3Config, ...)
+    config: object  # the transformers config of its family (LlamaConfig or the family's own class)
     # SafetensorsWeights (read on demand, in the stored dtype) or, for GGUF and pickle files, a dict
     state_dict: Mapping[str, torch.Tensor] = field(repr=False)
     tokenizer: object = field(repr=False)

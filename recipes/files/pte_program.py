@@ -45,7 +45,7 @@ def data_file_of(pte: Path | str | bytes) -> Path | None:
 
 def method_interfaces(pte: Path) -> dict[str, dict]:
     """Each method's interface as a runner reads it from ExecuTorch's method_meta: {method: {"inputs": [(dtype,
-    sizes)], "outputs": [...]}} for a method that takes tensors, {method: {"value": ...}} for a constant method
+    sizes, memory planned)], "outputs": [...]}} for a method that takes tensors, {method: {"value": ...}} for a constant method
     (loaded and run: it holds no delegate)."""
     from executorch.runtime import Runtime
 
@@ -69,6 +69,6 @@ _SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "
                  15: "bfloat16", 27: "uint16"}
 
 
-def _tensor_spec(meta) -> tuple[str, tuple[int, ...]]:
+def _tensor_spec(meta) -> tuple[str, tuple[int, ...], bool]:
     code = int(meta.dtype())
-    return _SCALAR_TYPES.get(code, f"scalar type {code}"), tuple(meta.sizes())
+    return _SCALAR_TYPES.get(code, f"scalar type {code}"), tuple(meta.sizes()), bool(meta.is_memory_planned())

@@ -2,6 +2,7 @@
 one quantization and one weight set for both, in the interface Qualcomm's qnn_llama_runner reads. A one-layer Llama
 as wide as real ones in its linears (so that its weights, not its graph, make most of a .pte) is quantized once and
 lowered once for the module (QNN compiles are slow)."""
+import dataclasses
 import sys
 import types
 
@@ -42,7 +43,7 @@ def hybrid_pte(hybrid, tmp_path_factory):
     from recipes.lowering.lower import Lowering, lower_for_backend
 
     checkpoint, recipe, options, methods, programs, simulation = hybrid
-    metadata = kv_io_program.kv_io_metadata(simulation.form, methods, checkpoint.config, checkpoint.tokenizer,
+    metadata = kv_io_program.kv_io_metadata(simulation, methods, checkpoint.config, checkpoint.tokenizer,
                                             stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))
     folder = tmp_path_factory.mktemp("qnn-hybrid")
     lowered = {}
@@ -55,9 +56,7 @@ def hybrid_pte(hybrid, tmp_path_factory):
 def test_prefill_by_n_then_decode_matches_one_token_calls_and_the_programs_to_lower(hybrid):
     """The simulation prefills by N (the last call padded) and then decodes, as the runner does; its logits are
     those of token-by-token kv_forward calls, and those of the quantized programs that are lowered."""
-    from recipes.lowering import kv_io_program
-
-    _checkpoint, _recipe, _options, methods, programs, simulation = hybrid
+    _checkpoint, _recipe, _options, _methods, programs, simulation = hybrid
     tokens = [3, 5, 7, 2, 9, 4, 8, 6, 10, 11, 12, 3, 5]  # one whole prefill call, one padded, then decode
     with torch.no_grad():
         session = simulation.session
@@ -65,8 +64,9 @@ def test_prefill_by_n_then_decode_matches_one_token_calls_and_the_programs_to_lo
         hybrid_logits = torch.cat([session.prefill(tokens[:11]), torch.stack([session.decode(t) for t in tokens[11:]])])
         session.reset()
         one_token = torch.stack([session.decode(t) for t in tokens])
-        lowered = kv_io_program.session(simulation.form, methods,
-                                        lambda method, inputs: list(programs[method].module()(*inputs)))
+        modules = {name: program.module() for name, program in programs.items()}
+        lowered = dataclasses.replace(session, call=lambda method, inputs: list(modules[method](*inputs)))
+        lowered.reset()
         lowered_logits = torch.cat([lowered.prefill(tokens[:11]), torch.stack([lowered.decode(t) for t in tokens[11:]])])
         through_module = simulation(torch.tensor([tokens[:11]]), torch.tensor([0]))[0]
     spread = one_token.abs().max().item()

@@ -48,14 +48,14 @@ def quantize_methods(form: KvIoLlama, programs: dict, methods: dict[str, int], c
             driver.prefill(tokens[0].tolist()[:form.context - methods[prefill]])
 
     quantized, converted = quantize_pt2e_methods(programs, quantizer_for, calibrate, prefill)
-    return quantized, KvIoSimulation(converted, session(form, methods))
+    return quantized, KvIoSimulation(converted, session(form, methods), form.shape)
 
 
-def kv_io_metadata(form: KvIoLlama, methods: dict[str, int], config, tokenizer, eos_token_ids) -> dict:
+def kv_io_metadata(simulation: KvIoSimulation, methods: dict[str, int], config, tokenizer, eos_token_ids) -> dict:
     """The constant methods of Qualcomm's static Llama export (examples/qualcomm/oss_scripts/llama/model/
     static_llama.py, get_metadata of its one-token program), whose runner reads get_n_layers and the shapes of
     the methods' inputs and outputs; the KV caches are float inputs and outputs (kv_io_bit_width 32)."""
-    shape = form.shape
+    shape, context = simulation.shape, simulation.session.context
     bos = tokenizer.bos_token_id if isinstance(tokenizer.bos_token_id, int) else getattr(config, "bos_token_id", None)
     eos = sorted(int(i) for i in eos_token_ids or ())
     return {
@@ -65,8 +65,8 @@ def kv_io_metadata(form: KvIoLlama, methods: dict[str, int], config, tokenizer, 
         "get_dim": int(shape.hidden),
         "get_head_dim": int(shape.head_dim),
         "get_max_batch_size": 1,
-        "get_max_seq_len": int(form.context),
-        "get_max_context_len": int(form.context),
+        "get_max_seq_len": int(context),
+        "get_max_context_len": int(context),
         "get_n_bos": 1,
         "get_n_eos": 1,
         "get_n_kv_heads": int(shape.n_kv_heads),

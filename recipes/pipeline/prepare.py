@@ -98,7 +98,7 @@ def prepare_and_lower(job: RecipeJob, lowering: Lowering = Lowering(), through: 
         stops = stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids)
         methods = recipe.backend.kv_io_methods(job.options, job.max_seq_len)
         if methods:
-            made.metadata = kv_io_program.kv_io_metadata(made.module.form, methods, checkpoint.config,
+            made.metadata = kv_io_program.kv_io_metadata(made.module, methods, checkpoint.config,
                                                          checkpoint.tokenizer, stops)
         else:
             made.metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
@@ -227,7 +227,6 @@ def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_s
         programs, simulation = kv_io_program.quantize_methods(
             form, program, methods, calibration,
             lambda graph_module: backend.pt2e_quantizer(recipe.quantization, options, graph_module))
-        simulation.form = form
         if backend.pt2e_program_passes is not None:
             programs = {name: backend.pt2e_program_passes(each, recipe.quantization) for name, each in programs.items()}
         return programs, simulation

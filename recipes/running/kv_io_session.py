@@ -93,10 +93,11 @@ class KvIoSimulation(torch.nn.Module):
     (forward(tokens, input_pos) -> logits of every token): a call at position 0 starts over, a call of several
     tokens is prefilled by the prefill method, a call of one token is decoded by the decode method."""
 
-    def __init__(self, methods: dict[str, torch.nn.Module], session: KvIoSession):
+    def __init__(self, methods: dict[str, torch.nn.Module], session: KvIoSession, shape):
         super().__init__()
         self.methods = torch.nn.ModuleDict(methods)
         self.session = session
+        self.shape = shape  # the model's LlamaShape, for the program's metadata
         session.call = self._call
 
     def _call(self, method: str, inputs: list) -> list:

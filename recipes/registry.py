@@ -68,6 +68,10 @@ class Backend:
     # quantized program gets before lowering (ExportedProgram, scheme) -> ExportedProgram.
     pt2e_quantizer: Callable | None = None
     pt2e_program_passes: Callable | None = None
+    # (recipe options, context) -> {method name: tokens per call}, prefill first, for a PT2E program of a prefill and
+    # a decode method with the KV caches as inputs and outputs (models/kv_io_llama.py,
+    # recipes/lowering/kv_io_program.py); None: one method.
+    kv_io_methods: Callable[[dict, int], dict[str, int] | None] = lambda options, context: None
     # For recipes/estimates/memory_estimate.py: the peak RSS its lowering adds per byte of the .pte it makes, over a
     # base its converter takes whatever the model's size, and the peak of a PT2E quantization (observers,
     # converted copy) per byte of the float module.

@@ -43,7 +43,7 @@ def makes_a_program(function) -> bool:
 
 # Modules whose tests, through helpers of their own, lower or run programs nearly throughout.
 SLOW_MODULES = {"test_app", "test_builtin", "test_coreml", "test_deploy", "test_kv_cache", "test_matrix",
-                "test_matrix_cluster", "test_profile", "test_qnn", "test_quiet_run", "test_spine", "test_static",
+                "test_matrix_cluster", "test_profile", "test_qnn", "test_qnn_hybrid", "test_quiet_run", "test_spine", "test_static",
                 "test_vulkan", "test_weights_file", "test_xnnpack_patches", "test_zoo_app"}
 
 

@@ -24,6 +24,7 @@ import torch  # before any QNN library: loading them first crashed the adaptor (
 
 from models.errors import UserFacingError
 from quant.pt2e import ANNOTATION, is_output_layer, share_kv_cache_encoding
+from quant.pt2e_methods import share_kv_io_encoding
 from recipes.evaluation.layer_map import decoder_layer_outputs
 from recipes.registry import Backend, recipe
 
@@ -35,14 +36,45 @@ SHIM_CHECKED_VERSIONS = ("v2.47.", "v2.51.")
 SHIM_LABEL = ("QNN {version} libraries from onnxruntime-qnn {wheel} with a struct-layout shim "
               "— for lowering checks, not for shipping")
 
-# What runs this .pte on a device: its metadata and forward(tokens, input_pos) are what ExecuTorch's generic
-# LLM runner reads; Qualcomm's own runner wants another program layout (docs/qnn.md).
-DEVICE_RUNNER = (
-    "ExecuTorch's LLM runner (llama_main, TextLLMRunner) built with the QNN backend: it prefills one token per call "
-    "(enable_dynamic_shape is 0). Not Qualcomm's qnn_llama_runner (examples/qualcomm/oss_scripts/llama), which needs "
-    "kv_forward/prefill_forward methods that take and return the K/V caches, an attention mask and position ids; "
-    "this program keeps its caches inside. Not yet run on a device."
+# What runs this .pte on a device. With a prefill method (prefill_tokens of 2 or more): Qualcomm's qnn_llama_runner
+# in its hybrid mode (examples/qualcomm/oss_scripts/llama/runner), which reads the kv_forward/prefill_forward
+# methods, their inputs and outputs and get_n_layers; with prefill_tokens=1, ExecuTorch's generic LLM runner.
+DEVICE_RUNNER_HYBRID = (
+    "Qualcomm's qnn_llama_runner, hybrid mode (--eval_mode 1): prefill_forward takes prefill_tokens per call "
+    "(at most half the context), kv_forward one; the runner keeps the float K/V caches and passes them as inputs and outputs "
+    "(docs/qnn.md lists where this program differs from the one Qualcomm's llama.py makes). Not yet run on a device."
 )
+DEVICE_RUNNER_ONE_METHOD = (
+    "ExecuTorch's LLM runner (llama_main, TextLLMRunner) built with the QNN backend: it prefills one token per call "
+    "(enable_dynamic_shape is 0); the program keeps its caches inside. Not yet run on a device."
+)
+# Qualcomm's method names (examples/qualcomm/oss_scripts/llama/decoder_constants.py, DECODER_GRAPH_NAMES).
+PREFILL_METHOD, DECODE_METHOD = "prefill_forward", "kv_forward"
+DEFAULT_PREFILL_TOKENS = 32  # Qualcomm's llama.py --prefill_ar_len default
+
+
+def prefill_tokens(options: dict) -> int:
+    value = options.get("prefill_tokens", DEFAULT_PREFILL_TOKENS)
+    if isinstance(value, float) and value.is_integer():  # a form's number field
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserFacingError(f"prefill_tokens must be a whole number of tokens, 1 or more (got {value!r}); e.g. "
+                              f"prefill_tokens={DEFAULT_PREFILL_TOKENS}, or 1 for one method that prefills token by "
+                              "token.")
+    return value
+
+
+def kv_io_methods(options: dict, context: int) -> dict[str, int] | None:
+    """Qualcomm's hybrid program: prefill_forward of prefill_tokens per call (at most half the context, so that
+    its cache keeps as many rows as it takes) and kv_forward of one; None for prefill_tokens=1."""
+    tokens = min(prefill_tokens(options), context // 2)
+    return {PREFILL_METHOD: tokens, DECODE_METHOD: 1} if tokens > 1 else None
+
+
+def check_qnn_options(options: dict) -> None:
+    layers_per_shard(options)
+    prefill_tokens(options)
+
 
 NO_QNN_LIBRARIES = (
     "QNN lowering needs Qualcomm's QNN host libraries (libQnnHtp.so, libQnnSystem.so) and none were found "
@@ -278,15 +310,19 @@ def qnn_partitioners(options: dict) -> list:
     )
 
     soc, _arch = chipset(options)
-    specs = generate_qnn_executorch_compiler_spec(soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False))
+    # A hybrid program's two methods compile into one context per shard, storing each weight once (HTP v73+).
+    hybrid = prefill_tokens(options) > 1
+    specs = generate_qnn_executorch_compiler_spec(
+        soc_model=soc, backend_options=generate_htp_compiler_spec(use_fp16=False, use_weight_sharing=hybrid))
     return [QnnPartitioner(specs)]
 
 
 def describe_qnn_options(options: dict) -> dict:
     """What this .pte was compiled for, and with which libraries (loaded by qnn_partitioners)."""
     soc, arch = chipset(options)
-    return {"soc": soc.name, "htp_arch": arch, "qnn_libraries": load_qnn_libraries().label,
-            "device_runner": DEVICE_RUNNER}
+    tokens = prefill_tokens(options)
+    runner = DEVICE_RUNNER_HYBRID if tokens > 1 else DEVICE_RUNNER_ONE_METHOD
+    return {"soc": soc.name, "htp_arch": arch, "qnn_libraries": load_qnn_libraries().label, "device_runner": runner}
 
 
 # scheme -> QuantDtype member of executorch.backends.qualcomm.quantizer.quantizer
@@ -344,7 +380,7 @@ def qnn_quantizer(scheme: str, options: dict, module: torch.fx.GraphModule):
     # QNN's default activation observer is a moving average: without one shared encoding per KV cache the
     # one-token calls clamp the keys already cached.
     quantizer.add_custom_quant_annotations(
-        (share_kv_cache_encoding, *((put_block_scales_on_qnn_grid,) if block_quantized else ())))
+        (share_kv_cache_encoding, share_kv_io_encoding, *((put_block_scales_on_qnn_grid,) if block_quantized else ())))
     if block_quantized:
         quantizer.set_default_quant_config(QuantDtype.use_16a4w_block, is_conv_per_channel=True,
                                            is_linear_per_channel=True)
@@ -467,7 +503,8 @@ BACKEND = Backend(
     edge_compile_config=qnn_edge_compile_config,
     transform_passes=qnn_edge_passes,
     describe_options=describe_qnn_options,
-    check_options=layers_per_shard,
+    check_options=check_qnn_options,
+    kv_io_methods=kv_io_methods,
     pt2e_quantizer=qnn_quantizer,
     pt2e_program_passes=qnn_program_passes,
     # AWQ's search and PT2E's observers over the fp32 module, then the converted copy beside it.
@@ -481,7 +518,7 @@ BACKEND = Backend(
     layers_compiled_at_once=layers_per_shard,
 )
 
-QNN_OPTIONS = {"soc": DEFAULT_SOC, "layers_per_shard": DEFAULT_LAYERS_PER_SHARD}
+QNN_OPTIONS = {"soc": DEFAULT_SOC, "layers_per_shard": DEFAULT_LAYERS_PER_SHARD, "prefill_tokens": DEFAULT_PREFILL_TOKENS}
 
 RECIPES = (
     recipe(BACKEND, "16a4w", "Qualcomm HTP, 16-bit activations, 4-bit weights in blocks of 32, 8-bit output layer "

@@ -41,3 +41,34 @@ def data_file_of(pte: Path | str | bytes) -> Path | None:
         return None
     ptd = Path(pte).with_suffix(".ptd")
     return ptd if ptd.is_file() else None
+
+
+def method_interfaces(pte: Path) -> dict[str, dict]:
+    """Each method's interface as a runner reads it from ExecuTorch's method_meta: {method: {"inputs": [(dtype,
+    sizes, memory planned)], "outputs": [...]}} for a method that takes tensors, {method: {"value": ...}} for a constant method
+    (loaded and run: it holds no delegate)."""
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(str(pte))
+    interfaces = {}
+    for name in sorted(program.method_names):
+        meta = program.metadata(name)
+        if meta.num_inputs() == 0:
+            (value,) = program.load_method(name).execute([])
+            interfaces[name] = {"value": value}
+            continue
+        interfaces[name] = {
+            "inputs": [_tensor_spec(meta.input_tensor_meta(i)) for i in range(meta.num_inputs())],
+            "outputs": [_tensor_spec(meta.output_tensor_meta(i)) for i in range(meta.num_outputs())],
+        }
+    return interfaces
+
+
+# ExecuTorch's ScalarType codes (runtime/core/portable_type/scalar_type.h) of the dtypes LLM programs take.
+_SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16", 6: "float32", 11: "bool",
+                 15: "bfloat16", 27: "uint16"}
+
+
+def _tensor_spec(meta) -> tuple[str, tuple[int, ...], bool]:
+    code = int(meta.dtype())
+    return _SCALAR_TYPES.get(code, f"scalar type {code}"), tuple(meta.sizes()), bool(meta.is_memory_planned())

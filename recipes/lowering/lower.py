@@ -418,6 +418,9 @@ class Lowering:
     ptd_path: Path | None = None
     named_data_context: Callable[[Path, str | None], ContextManager] | None = None
     free_weights_as_packed: bool = False
+    # The methods' inputs and outputs live in buffers the runner allocates and sets (a runner that keeps the KV
+    # caches and passes them to each call): the program plans no memory for them.
+    caller_allocates_io: bool = False
 
 
 def lower_to_pte(program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram], partitioners: list,
@@ -483,7 +486,12 @@ def _lower(program, partitioners: list, how: Lowering) -> LoweredProgram:
     start = time.perf_counter()
     # Quant fusion turns torchao's dequantize_affine + embedding into ExecuTorch's quantized
     # embedding kernels; without it the leftover dequantize_affine has no out variant.
-    executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
+    planning = {}
+    if how.caller_allocates_io:
+        from executorch.exir.passes import MemoryPlanningPass
+
+        planning["memory_planning_pass"] = MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False)
+    executorch_program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True, **planning))
     if pte_path is None:
         pte = executorch_program.buffer  # joins the pieces into one bytes object, cached by the manager
         size, digest = len(pte), hashlib.sha256(pte).hexdigest()

@@ -24,7 +24,7 @@ def how_to_run(report: Report, chat_template: str | None) -> list[str]:
     ptd = has_data_file(report)
     lines = ["## How to run", "",
              "The files: `model.pte` (the program, with the metadata methods ExecuTorch's LLM runners read: "
-             + ", ".join(f"`{k}`={v}" for k, v in metadata.items())
+             + ", ".join(f"`{k}`={v}" for k, v in metadata.items() if v is not None)
              + "), " + ("`model.ptd` (its weights, ExecuTorch's data file: every runner needs it beside the program), "
                         if ptd else "")
              + "`tokenizer.json` (what the runners load), `tokenizer_config.json` (the chat template) and "
@@ -35,6 +35,8 @@ def how_to_run(report: Report, chat_template: str | None) -> list[str]:
         lines += [f"Device runner: {recipe.options['device_runner']}", ""]
     if metadata.get("get_prefill_len"):
         return lines + _static(report) + _template(chat_template)
+    if metadata.get("get_kv_io_bit_width"):
+        return lines + _kv_io_runner(report, chat_template)
     lines += _kv_cache(recipe, metadata)
     lines += _python(recipe, ptd) + _llama_main(ptd) + _apps(chat_template, ptd) + _template(chat_template)
     return lines
@@ -91,6 +93,45 @@ def _static(report: Report) -> list[str]:
             "`forward` method taking rope tables and masks as its `StaticAttentionIOManager` builds them, and the "
             "model's `params.json`), so it does not drive this file either; on a device, port `run_static.py`'s "
             "loop.", ""]
+
+
+# Qualcomm's qnn_llama_runner formats the prompt itself, by --decoder_model_version; the versions whose template is
+# this model's, by a token of it.
+_QNN_DECODER_VERSIONS = {"<|im_start|>": "smollm2_135m", "<|start_header_id|>": "llama3"}
+
+
+def _kv_io_runner(report: Report, chat_template: str | None) -> list[str]:
+    """A program of prefill_forward and kv_forward methods with the KV caches as inputs and outputs
+    (recipes/lowering/kv_io_program.py): Qualcomm's qnn_llama_runner in hybrid mode runs it on the device."""
+    arch = str(report.recipe.options.get("htp_arch") or "v75").lstrip("v")
+    version = next((v for token, v in _QNN_DECODER_VERSIONS.items() if chat_template and token in chat_template),
+                   "llama2")
+    context = report.llm_metadata.get_max_context_len if report.llm_metadata else 128
+    return ["### Android (Snapdragon): Qualcomm's `qnn_llama_runner`", "",
+            "This program has the methods Qualcomm's Llama runner loads in its hybrid mode: `prefill_forward` "
+            "(several tokens per call) and `kv_forward` (one), sharing their weights; the runner keeps the K/V "
+            "caches and passes them to each call. Build the runner as ExecuTorch's "
+            "`examples/qualcomm/oss_scripts/llama/README.md` says (v1.5.1, `backends/qualcomm/scripts/build.sh` "
+            "with the QNN SDK), then push it, the QNN runtime libraries of the SDK the context binary was compiled "
+            f"with (the report's `qnn_libraries`; HTP {report.recipe.options.get('htp_arch') or 'v75'}), this "
+            "program and its tokenizer:", "", "```sh",
+            "adb shell mkdir -p /data/local/tmp/llama",
+            "adb push build-android/examples/qualcomm/oss_scripts/llama/qnn_llama_runner /data/local/tmp/llama/",
+            "adb push $QNN_SDK_ROOT/lib/aarch64-android/libQnnHtp.so $QNN_SDK_ROOT/lib/aarch64-android/libQnnSystem.so "
+            f"$QNN_SDK_ROOT/lib/aarch64-android/libQnnHtpV{arch}Stub.so /data/local/tmp/llama/",
+            f"adb push $QNN_SDK_ROOT/lib/hexagon-v{arch}/unsigned/libQnnHtpV{arch}Skel.so /data/local/tmp/llama/",
+            "adb push model.pte tokenizer.json /data/local/tmp/llama/",
+            "adb shell 'cd /data/local/tmp/llama && export LD_LIBRARY_PATH=. ADSP_LIBRARY_PATH=. && "
+            f"./qnn_llama_runner --decoder_model_version {version} --model_path model.pte "
+            f"--tokenizer_path tokenizer.json --eval_mode 1 --seq_len {context} --temperature 0 "
+            '--prompt "What is the capital of France?"\'', "```", "",
+            f"`--decoder_model_version {version}` makes the runner wrap the prompt in "
+            + ("this model's chat format and stop at its end-of-turn token." if chat_template and version != "llama2"
+               else "Llama 2's format; none of the runner's versions has this model's chat template, so give it the "
+                    "prompt already formatted with the template below.")
+            + f" `--seq_len` is at most the context, {context} tokens. Lowerbench has not run this on a device; the "
+            "generation and fidelity shown here are the same two methods simulated in PyTorch, prefilling and "
+            "decoding as the runner does.", ""] + (_template(chat_template) if version == "llama2" else [])
 
 
 def _python(recipe: RecipeInfo, ptd: bool) -> list[str]:

@@ -277,6 +277,18 @@ class LlmMetadata(Section):
     get_decode_len: int | None = optional()
     get_kv_cache_shape: list[int] | None = optional()
     get_kv_cache_fp16: bool | None = optional()
+    # A KV-I/O program's, those of Qualcomm's static Llama export (recipes/lowering/kv_io_program.py): tokens per
+    # decode call, the model's widths, and the bits of the K/V inputs and outputs (32: float).
+    get_ar_len: int | None = optional()
+    get_eos_id: int | None = optional()
+    get_dim: int | None = optional()
+    get_head_dim: int | None = optional()
+    get_max_batch_size: int | None = optional()
+    get_n_bos: int | None = optional()
+    get_n_eos: int | None = optional()
+    get_n_kv_heads: int | None = optional()
+    get_use_kv_cache: bool | None = optional()
+    get_kv_io_bit_width: int | None = optional()
 
 
 @dataclass

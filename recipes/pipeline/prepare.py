@@ -21,7 +21,7 @@ from quant.quantize import UnitQuantizer, cast_quantized, quantize_module, quant
 from quant.schemes import SCHEMES
 from recipes.process import malloc_policy
 from recipes.process.collector_policy import collector_skipping_older_objects
-from recipes.lowering import static_program
+from recipes.lowering import kv_io_program, static_program
 from recipes.lowering.llm_metadata import llm_metadata
 from recipes.lowering.lower import LoweredProgram, Lowering, export_program, lower_for_backend
 from recipes.registry import Recipe
@@ -95,9 +95,14 @@ def prepare_and_lower(job: RecipeJob, lowering: Lowering = Lowering(), through: 
     made.stage = "lower"
     with through.stages.stage(f"lowering to {recipe.backend.title} ({recipe.name})", figures, "lower"):
         made.described_options = {**job.options, **recipe.backend.describe_options(job.options)}
-        made.metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
-                                     job.max_seq_len, checkpoint.config, checkpoint.tokenizer,
-                                     stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids))
+        stops = stop_token_ids(checkpoint.tokenizer, checkpoint.eos_token_ids)
+        methods = recipe.backend.kv_io_methods(job.options, job.max_seq_len)
+        if methods:
+            made.metadata = kv_io_program.kv_io_metadata(made.module, methods, checkpoint.config,
+                                                         checkpoint.tokenizer, stops)
+        else:
+            made.metadata = llm_metadata(program[static_program.DECODE] if recipe.static_io else program,
+                                         job.max_seq_len, checkpoint.config, checkpoint.tokenizer, stops)
         if recipe.static_io:
             made.metadata.update(static_program.static_metadata(made.module, int(job.options["prefill_chunk"])))
         if not through.keep_module_while_lowering:
@@ -108,7 +113,7 @@ def prepare_and_lower(job: RecipeJob, lowering: Lowering = Lowering(), through: 
             program = through.program_pass(program)
         made.lowered = lower_for_backend(program, recipe, job.options, dataclasses.replace(
             lowering, constant_methods=made.metadata, consume_program=True,
-            free_weights_as_packed=made.module is None))
+            free_weights_as_packed=made.module is None, caller_allocates_io=bool(methods)))
     lowered = made.lowered
     figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
     figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)
@@ -148,7 +153,7 @@ def _prepare(job: RecipeJob, through: Through) -> tuple[torch.nn.Module, torch.e
         with stages.stage(f"calibrating and converting ({recipe.quantization}) for {recipe.name}", figures,
                           "quantize"):
             inputs = _pt2e_inputs(job)
-            program, module = quantize_exported(recipe, program, inputs, options, max_seq_len)
+            program, module = quantize_exported(recipe, program, inputs, options, max_seq_len, module=module)
         figures.timings.calibration = Pt2eCalibration(prompts=len(inputs), source=_pt2e_source(job, inputs))
         if job.calibration_file is not None and quantization.calibration is None:
             quantization.calibration = QuantCalibration.from_dict(
@@ -174,7 +179,12 @@ def _pt2e_source(job: RecipeJob, inputs: list) -> str:
 
 
 def _export(recipe: Recipe, module: torch.nn.Module, options: dict, max_seq_len: int):
-    """The recipe's program: one with a dynamic token dimension, or a static recipe's {prefill, decode}."""
+    """The recipe's program: one with a dynamic token dimension, or a static recipe's {prefill, decode}, or a
+    KV-I/O backend's {prefill method, decode method}."""
+    methods = recipe.backend.kv_io_methods(options, max_seq_len)
+    if methods:
+        return kv_io_program.export_methods(kv_io_program.kv_io_form(module), methods,
+                                            strict=recipe.backend.strict_export)
     if recipe.static_io:
         return export_methods(module, int(options["prefill_chunk"]), strict=recipe.backend.strict_export)
     return export_program(module, max_seq_len, strict=recipe.backend.strict_export)
@@ -203,12 +213,23 @@ def _quantized_module(job: RecipeJob, figures: Figures) -> tuple[torch.nn.Module
     return cast_quantized(module, recipe.quantization), Quantization.from_dict(section, strict=True)
 
 
-def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int):
+def quantize_exported(recipe: Recipe, program, calibration, options: dict, max_seq_len: int,
+                      module: torch.nn.Module | None = None):
     """A PT2E scheme with the recipe's backend's quantizer: (the program to lower, the converted q/dq
-    module whose eager run simulates it)."""
+    module whose eager run simulates it). For a KV-I/O backend's {method: program} (module: the float module
+    they were exported from): ({method: program}, the simulation that runs them as their runner does)."""
     backend = recipe.backend
     if backend.pt2e_quantizer is None:
         raise UserFacingError(f"{backend.name} has no PT2E quantizer for {recipe.quantization}.")
+    if isinstance(program, dict):
+        methods = backend.kv_io_methods(options, max_seq_len)
+        form = kv_io_program.kv_io_form(module)
+        programs, simulation = kv_io_program.quantize_methods(
+            form, program, methods, calibration,
+            lambda graph_module: backend.pt2e_quantizer(recipe.quantization, options, graph_module))
+        if backend.pt2e_program_passes is not None:
+            programs = {name: backend.pt2e_program_passes(each, recipe.quantization) for name, each in programs.items()}
+        return programs, simulation
     program, module = SCHEMES[recipe.quantization].quantize_exported(
         program, calibration, lambda graph_module: backend.pt2e_quantizer(recipe.quantization, options, graph_module),
         backend.static_tokens, max_seq_len,

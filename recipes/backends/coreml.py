@@ -178,8 +178,9 @@ BACKEND = Backend(
     lowering_context=lowering_patches,
     describe_options=describe_options,
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
-    # one slice and the causal mask built by comparison.
-    attention="sdpa-slice",
+    # one slice and the causal mask built by comparison; the attention is written out, its query heads grouped
+    # per kv head, since Core ML computes a fused SDPA wrong on iOS 26.
+    attention="grouped-slice",
     # coremltools' MIL program, its fp16 copy of the weights and the .mlpackage, over the converter's own
     # state; writing the .pte copies the .mlpackage's weight files into the program's pieces. Fitted to the
     # zoo's export-only coreml-int4 peaks, 135M to 1.7B, with the chunked overflow check and the weights

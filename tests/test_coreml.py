@@ -299,3 +299,65 @@ def test_joining_two_methods_frees_garbage_cycles_before_and_after_it_and_is_und
         assert ct.utils.save_multifunction is not own
     assert ct.utils.save_multifunction is own
 
+
+@pytest.fixture(scope="module")
+def tiny_ane_p4w(tiny_llama_dir, tmp_path_factory):
+    """coreml-ane-p4w on the tiny Llama through run(), export only, prefill chunks of 4."""
+    from recipes.request import RunRequest
+    from recipes.pipeline.run import run
+
+    out = tmp_path_factory.mktemp("ane-p4w")
+    summary = run(RunRequest(recipes=["coreml-ane-p4w"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=32,
+                             max_new_tokens=4, generate=False, options={"prefill_chunk": 4}))
+    return out, summary.recipes[0]
+
+
+def test_palettized_recipe_lowers_every_linear_to_a_lut_decompression_in_the_mil_program(tiny_ane_p4w, tiny_checkpoint,
+                                                                                        tmp_path):
+    """Both methods of the Neural Engine program decompress each linear's weights from its LUTs (iOS 18's
+    constexpr_lut_to_dense), the 8-bit embedding by its scales, and attend without fused SDPA."""
+    out, report = tiny_ane_p4w
+    assert not report.errors, report.errors
+    layers = tiny_checkpoint.config.num_hidden_layers
+    functions = mil_ops((out / "model.pte").read_bytes(), tmp_path)
+    assert set(functions) == {"prefill", "decode"}
+    for name, ops in functions.items():
+        assert ops["constexpr_lut_to_dense"] == 7 * layers + 1, (name, ops)
+        assert ops["constexpr_blockwise_shift_scale"] == 1, (name, ops)
+    assert_attention_written_out(functions, layers)
+    assert report.recipe.options["compute_units"] == "cpu_and_ne"
+
+
+def test_palettized_module_computes_close_to_fp32_where_a_broken_lut_would_not(tiny_checkpoint):
+    """The eager simulation of coreml-ane-p4w (the static module, fp16, every linear from its LUTs) against the fp32
+    module on the evaluation text; the same module with each LUT's entries reversed misses the same bound."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.palettize import PalettizedTensor
+    from quant.quantize import cast_quantized
+    from quant.schemes import apply_scheme
+    from recipes.evaluation import fidelity
+    from recipes.lowering.static_program import eager_session, static_form
+    from recipes.registry import get_recipe
+    from recipes.running.generate import eager_step
+
+    context = 32
+    recipe = get_recipe("coreml-ane-p4w")
+    checkpoint = tiny_checkpoint
+    reference = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(context, attention="sdpa"))
+    ids = fidelity.eval_token_ids(checkpoint.tokenizer)[:context]
+    expected = fidelity.sequence_logits(eager_step(reference), ids, context)
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, recipe.export_options(context))
+    apply_scheme(module, recipe.quantization)
+    static = static_form(cast_quantized(module, recipe.quantization), {"max_linear_outputs": 32})
+    weights = [m.weight for m in static.modules() if isinstance(getattr(m, "weight", None), PalettizedTensor)]
+    assert len(weights) > 7 * checkpoint.config.num_hidden_layers
+
+    def relative_error() -> float:
+        logits = fidelity.sequence_logits(eager_session(static, 4).step, ids, context).float()
+        return ((logits - expected).norm() / (expected - expected.mean(-1, keepdim=True)).norm()).item()
+
+    # the logits' error as a share of their spread: about c4w's per-channel grid's here; reversed LUTs far past it
+    assert relative_error() < 0.3
+    for weight in weights:
+        weight.codebook = weight.codebook.flip(2)
+    assert relative_error() > 1.0

@@ -234,9 +234,10 @@ def _c4w(module: nn.Module, args: QuantArgs) -> None:
     quantize_linears_weight_only(module, 4, None, args.algorithm)
 
 
-# Output channels (weight rows) that share one 16-entry k-means LUT, chosen by measurement on the built-in
-# model (docs/quantization.md): a linear whose rows it does not divide takes the largest divisor of both.
-LUT_CHANNELS = 16
+# Output channels (weight rows) that share one k-means LUT, chosen by measurement on the built-in model
+# (docs/quantization.md): one per channel scored nearest fp32 within 4.5 bits a weight. A linear whose rows
+# it does not divide takes the largest divisor of both.
+LUT_CHANNELS = 1
 
 
 def quantize_linears_palettized(module: nn.Module, bits: int, channels: int = LUT_CHANNELS) -> None:
@@ -294,7 +295,7 @@ SCHEMES: dict[str, Scheme] = {
                module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), channelwise_int4=True, cast_to=torch.float16),
         # 4 bits as a LUT per group of output channels, for hardware that decompresses LUTs as it loads weights:
         # its k-means values follow each group's weights where c4w's grid is uniform.
-        Scheme("p4w", f"4-bit palettized linears: a 16-entry k-means LUT per {LUT_CHANNELS} output channels; "
+        Scheme("p4w", "4-bit palettized linears: a 16-entry k-means LUT per output channel; "
                "8-bit embeddings; fp16 activations", _p4w,
                module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), cast_to=torch.float16, by_rows=False),
         Scheme("fp16", "fp16 weights, activations and K/V caches", _fp16, module_bytes=(2.0, 2.0),

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from models.errors import UserFacingError
-from quant.schemes import LUT_CHANNELS, SCHEMES
+from quant.schemes import SCHEMES
 from recipes.lowering.lower import share_preprocess_weights, swap_attribute
 from recipes.registry import Backend, recipe
 
@@ -227,9 +227,9 @@ RECIPES = (
              module_overrides={"fuse_qkv": False}, static_io=True, pte_bytes=_pte_bytes(scheme, "fp16"),
              lowering_memory_ratio=FLOAT_LOWERING_MEMORY_RATIO if scheme == "fp16" else None)
       for scheme, what in (("c4w", "int4 weights per output channel, 8-bit embeddings, fp16"),
-                           ("p4w", f"4-bit palettized weights, a k-means LUT per {LUT_CHANNELS} output channels "
-                                   "(iOS 18's constexpr_lut_to_dense, which the Neural Engine decompresses just in "
-                                   "time as it reads the weights: the recipe it runs at full speed, near c4w's bytes "
-                                   "and far nearer fp32), 8-bit embeddings, fp16"),
+                           ("p4w", "4-bit palettized weights, a k-means LUT per output channel (iOS 18's "
+                                   "constexpr_lut_to_dense: the Neural Engine decompresses LUTs just in time as it "
+                                   "reads the weights, so it runs at full speed on 4-bit codes, the recipe nearest "
+                                   "fp32 at about c4w's bytes; c4w's int4 grid is uniform), 8-bit embeddings, fp16"),
                            ("fp16", "fp16"))),
 )

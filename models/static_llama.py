@@ -12,10 +12,9 @@ value, so a call is the same graph at every position. The weights and rope table
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.attention.base import AttentionForm
+from models.attention.base import AttentionForm, grouped_attention
 from models.llama import LlamaForExport
 
 class SplitLinear(nn.Module):
@@ -60,10 +59,7 @@ def _static_attention(attn: AttentionForm, x, cos, sin, k_cache, v_cache, mask):
     bsz, seq_len, _ = x.shape
     q, k, v = (t.transpose(1, 2) for t in attn.project(x, (cos, sin, None)))
     keys, values = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
-    if attn.n_kv_heads != attn.n_heads:
-        repeat = attn.n_heads // attn.n_kv_heads
-        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).transpose(1, 2)
+    out = grouped_attention(q, keys, values, mask).transpose(1, 2)
     return attn.o_proj(out.reshape(bsz, seq_len, attn.n_heads * attn.head_dim)), k, v
 
 

@@ -2,6 +2,7 @@
 with torchao's quantize_, before torch.export."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +52,9 @@ class Scheme:
     # Built and quantized in module_dtype, then cast whole to this dtype (quant.quantize.cast_quantized): an
     # algorithm's search (AWQ's) runs in fp32, which CPUs compute many times faster than fp16.
     cast_to: torch.dtype | None = None
+    # False: `apply` takes a large weight whole (apply_scheme_by_rows), bounding its own memory, because how it
+    # groups rows depends on the weight's row count.
+    by_rows: bool = True
 
     @property
     def algorithms(self) -> tuple[str, ...]:
@@ -230,6 +234,30 @@ def _c4w(module: nn.Module, args: QuantArgs) -> None:
     quantize_linears_weight_only(module, 4, None, args.algorithm)
 
 
+# Output channels (weight rows) that share one k-means LUT, chosen by measurement on the built-in model
+# (docs/quantization.md): one per channel scored nearest fp32 within 4.5 bits a weight. A linear whose rows
+# it does not divide takes the largest divisor of both.
+LUT_CHANNELS = 1
+
+
+def quantize_linears_palettized(module: nn.Module, bits: int, channels: int = LUT_CHANNELS) -> None:
+    """Weight-only linears as 2**bits-entry lookup tables (k-means, quant/palettize.py), one per `channels` output
+    channels, and a `bits`-bit index per weight: torchao's codebook tensor, whose dequantize op a backend may
+    take whole as a LUT decompression."""
+    from quant.palettize import PalettizedTensor  # loads torchao's prototype codebook package, heavy
+
+    code_dtype = getattr(torch, f"uint{bits}")
+    for name, linear in [(n, m) for n, m in module.named_modules() if _is_linear(m, n)]:
+        weight = linear.weight.detach()
+        rows = math.gcd(channels, weight.shape[0])
+        linear.weight = nn.Parameter(PalettizedTensor.from_float(weight, code_dtype, [rows, -1]), requires_grad=False)
+
+
+def _p4w(module: nn.Module, args: QuantArgs) -> None:
+    quantize_embeddings(module, 8)
+    quantize_linears_palettized(module, 4, LUT_CHANNELS)
+
+
 def _fp16(module: nn.Module, args: QuantArgs) -> None:
     # Built in fp16 already (module_dtype); the cast keeps a module or piece given in fp32 correct too.
     module.to(torch.float16)  # weights, rope tables and K/V caches alike; norms still compute in fp32
@@ -265,6 +293,11 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("c4w", "int4 weight-only linears, per output channel; 8-bit embeddings; fp16 activations", _c4w,
                int4_config=lambda group_size, qparams: config_weight_only(4, None, qparams),
                module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), channelwise_int4=True, cast_to=torch.float16),
+        # 4 bits as a LUT per group of output channels, for hardware that decompresses LUTs as it loads weights:
+        # its k-means values follow each group's weights where c4w's grid is uniform.
+        Scheme("p4w", "4-bit palettized linears: a 16-entry k-means LUT per output channel; "
+               "8-bit embeddings; fp16 activations", _p4w,
+               module_bytes=(1.0, 1.0), pte_bytes=(0.5, 1.0), cast_to=torch.float16, by_rows=False),
         Scheme("fp16", "fp16 weights, activations and K/V caches", _fp16, module_bytes=(2.0, 2.0),
                pte_bytes=(2.0, 2.0), module_dtype=torch.float16),
         # PT2E schemes: the lowering backend's quantizer decides the encodings of each bit width.
@@ -335,7 +368,7 @@ def apply_scheme_by_rows(module: nn.Module, scheme: str, group_size: int | None 
     args = quant_args(scheme, group_size, algorithm)
     weight = getattr(module, "weight", None)
     lone = isinstance(module, (nn.Linear, nn.Embedding)) and getattr(module, "bias", None) is None
-    if not lone or weight.shape[0] <= rows or not spec.layerwise:
+    if not lone or weight.shape[0] <= rows or not spec.layerwise or not spec.by_rows:
         spec.apply(module, args)
         return
     parts = []

@@ -118,7 +118,7 @@ def test_the_schemes_offer_what_they_did_with_the_same_defaults_and_paths():
     # c4w (one int4 scale per output channel): GPTQ here chooses integers group by group; minmax measured best
     assert offered == {"8da4w": every, "8da4w-emb4": every, "int4-weight": every, "16a4w": ("awq", "minmax"),
                        "c4w": ("minmax", "awq", "hqq", "spinquant"),
-                       **{name: ("minmax",) for name in ("fp32", "int8-weight", "8da8w", "fp16", "16a8w", "8a8w")}}
+                       **{name: ("minmax",) for name in ("fp32", "int8-weight", "8da8w", "fp16", "p4w", "16a8w", "8a8w")}}
     assert [name for name, a in ALGORITHMS.items() if a.whole_model] == ["spinquant", "gptq", "awq-gptq"]
     assert [name for name, a in ALGORITHMS.items() if a.calibrated] == ["awq", "gptq", "awq-gptq"]
     assert [name for name, a in ALGORITHMS.items() if a.prepare_by_unit] == ["awq"]

@@ -1,6 +1,7 @@
 """Core ML recipes: lowering on Linux through the one lowering call site, the delegation report with
 preserved ops and partitioner reasons, and the clear "needs macOS" message from the runtime."""
 import platform
+from collections import Counter
 
 import pytest
 import torch
@@ -8,6 +9,33 @@ import torch
 from models.errors import UserFacingError
 
 IO_GLUE = {"getitem"}  # unpacking the delegate's outputs; what may stay outside a full delegation
+# MIL ops that would be a fused attention or a copy of the kv heads for the query heads
+FUSED_OR_COPIED_ATTENTION = {"scaled_dot_product_attention", "tile", "repeat", "repeat_interleave"}
+
+
+def mil_ops(pte: bytes, folder) -> dict[str, Counter]:
+    """{Core ML function: how many of each MIL op} of every Core ML model inside a .pte: the .mlpackage ExecuTorch
+    stores per delegate, read back as coremltools wrote it (a multifunction model has a function per method)."""
+    import coremltools as ct
+    from executorch.examples.apple.coreml.scripts.extract_coreml_models import extract_coreml_models
+
+    functions = {}
+    for extracted in extract_coreml_models(pte, folder):
+        for package in sorted(extracted.rglob("*.mlpackage")):
+            spec = ct.models.MLModel(str(package), skip_model_load=True).get_spec()
+            for name, function in spec.mlProgram.functions.items():
+                blocks = function.block_specializations.values()
+                functions[name] = sum((Counter(op.type for op in block.operations) for block in blocks),
+                                      functions.get(name, Counter()))
+    return functions
+
+
+def assert_attention_written_out(functions: dict[str, Counter], layers: int) -> None:
+    """Each layer attends by two matmuls and a softmax, with no fused SDPA and no tile or repeat of kv heads."""
+    assert functions
+    for name, ops in functions.items():
+        assert not FUSED_OR_COPIED_ATTENTION & set(ops), (name, ops)
+        assert (ops["matmul"], ops["softmax"]) == (2 * layers, layers), (name, ops)
 
 
 class WithAcosh(torch.nn.Module):
@@ -46,24 +74,25 @@ def test_coreml_recipes_registered_and_say_where_they_run():
 
     for name in ("coreml-fp16", "coreml-fp32", "coreml-int8", "coreml-int4"):
         recipe = get_recipe(name)
-        assert recipe.backend.name == "coreml" and recipe.export_options(64).attention == "sdpa-slice"
+        assert recipe.backend.name == "coreml" and recipe.export_options(64).attention == "grouped-slice"
         if platform.system() != "Darwin":
             assert "Apple" in recipe.backend.cannot_run_here()
     with pytest.raises(UserFacingError, match="compute units"):
         get_recipe("coreml-fp16").make_partitioners({"compute_units": "gpu_only"})
 
 
-def test_sdpa_slice_module_matches_sdpa(tiny_checkpoint):
+def test_sdpa_slice_and_grouped_slice_modules_match_sdpa(tiny_checkpoint):
+    """Core ML's forms: the sliced cache write, and the attention written out with grouped query heads."""
     from models.llama import ExportOptions, build_exportable
 
     tokens = torch.tensor([[1, 4, 6, 8, 3]])
     outs = []
-    for attention in ("sdpa", "sdpa-slice"):
+    for attention in ("sdpa", "sdpa-slice", "grouped-slice"):
         module = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention=attention))
         with torch.no_grad():
             outs.append(torch.cat([module(tokens[:, :3], torch.tensor([0])), module(tokens[:, 3:4], torch.tensor([3])),
                                    module(tokens[:, 4:5], torch.tensor([4]))], dim=1))
-    assert (outs[0] - outs[1]).abs().max().item() < 1e-5
+    assert all((outs[0] - out).abs().max().item() < 1e-5 for out in outs[1:])
 
 
 def test_unsupported_op_stays_outside_with_its_reason(tiny_coreml_int8_with_acosh):
@@ -76,10 +105,19 @@ def test_unsupported_op_stays_outside_with_its_reason(tiny_coreml_int8_with_acos
     assert all(r["source"].startswith("executorch.backends.apple.coreml") for r in acosh.why_not_delegated)
     assert (ops["aten_linear_default"].delegated, ops["aten_linear_default"].non_delegated) == (15, 0)
     assert ops["torchao_dequantize_affine_default"].non_delegated == 0
-    assert ops["aten_scaled_dot_product_attention_default"].delegated == 2
-    assert "aten.scaled_dot_product_attention.default" in table.preserved_ops["CoreMLPartitioner"]
+    assert "aten_scaled_dot_product_attention_default" not in ops
+    assert (ops["aten_matmul_default"].delegated, ops["aten_softmax_int"].delegated) == (4, 2)
     assert table.edge_nodes_before_partitioning == tiny_coreml_int8_with_acosh.edge_nodes_before_partitioning
     assert ops["aten_linear_default"].before_partitioning == 15
+
+
+def test_dynamic_coreml_program_attends_without_fused_sdpa_or_copied_kv_heads(tiny_coreml_int8_with_acosh,
+                                                                             tiny_checkpoint, tmp_path):
+    """The MIL program coremltools built: each layer's attention is written out over grouped query heads."""
+    functions = mil_ops(tiny_coreml_int8_with_acosh.pte, tmp_path)
+    assert list(functions) == ["main"]
+    assert_attention_written_out(functions, tiny_checkpoint.config.num_hidden_layers)
+    assert functions["main"]["write_state"] == 2 * tiny_checkpoint.config.num_hidden_layers
 
 
 def test_coreml_pte_lists_the_llm_runners_metadata_methods(tiny_coreml_int8_with_acosh):
@@ -124,12 +162,11 @@ def test_tiny_llama_lowers_to_coreml_int4_with_every_linear_and_attention_inside
     delegation = report.delegation
     ops = {o.op: o for o in delegation.ops}
     assert ops["aten_linear_default"].delegated == layers * 7 + 1 and ops["aten_linear_default"].non_delegated == 0
-    sdpa = ops["aten_scaled_dot_product_attention_default"]
-    assert sdpa.delegated == layers and sdpa.non_delegated == 0
+    assert ops["aten_matmul_default"].delegated == 2 * layers and ops["aten_softmax_int"].delegated == layers
+    assert "aten_scaled_dot_product_attention_default" not in ops
     assert {o.op for o in delegation.ops if o.non_delegated} <= IO_GLUE
     assert delegation.non_delegated_nodes <= 2
     assert delegation.edge_nodes_before_partitioning == delegation.delegated_nodes
-    assert "aten.scaled_dot_product_attention.default" in delegation.preserved_ops["CoreMLPartitioner"]
     assert ops["torchao_dequantize_affine_default"].delegated == layers * 7 + 1
     engines = [g.engine for g in report.generations]
     if platform.system() != "Darwin":
@@ -261,3 +298,66 @@ def test_joining_two_methods_frees_garbage_cycles_before_and_after_it_and_is_und
     with lowering_patches():
         assert ct.utils.save_multifunction is not own
     assert ct.utils.save_multifunction is own
+
+
+@pytest.fixture(scope="module")
+def tiny_ane_p4w(tiny_llama_dir, tmp_path_factory):
+    """coreml-ane-p4w on the tiny Llama through run(), export only, prefill chunks of 4."""
+    from recipes.request import RunRequest
+    from recipes.pipeline.run import run
+
+    out = tmp_path_factory.mktemp("ane-p4w")
+    summary = run(RunRequest(recipes=["coreml-ane-p4w"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=32,
+                             max_new_tokens=4, generate=False, options={"prefill_chunk": 4}))
+    return out, summary.recipes[0]
+
+
+def test_palettized_recipe_lowers_every_linear_to_a_lut_decompression_in_the_mil_program(tiny_ane_p4w, tiny_checkpoint,
+                                                                                        tmp_path):
+    """Both methods of the Neural Engine program decompress each linear's weights from its LUTs (iOS 18's
+    constexpr_lut_to_dense), the 8-bit embedding by its scales, and attend without fused SDPA."""
+    out, report = tiny_ane_p4w
+    assert not report.errors, report.errors
+    layers = tiny_checkpoint.config.num_hidden_layers
+    functions = mil_ops((out / "model.pte").read_bytes(), tmp_path)
+    assert set(functions) == {"prefill", "decode"}
+    for name, ops in functions.items():
+        assert ops["constexpr_lut_to_dense"] == 7 * layers + 1, (name, ops)
+        assert ops["constexpr_blockwise_shift_scale"] == 1, (name, ops)
+    assert_attention_written_out(functions, layers)
+    assert report.recipe.options["compute_units"] == "cpu_and_ne"
+
+
+def test_palettized_module_computes_close_to_fp32_where_a_broken_lut_would_not(tiny_checkpoint):
+    """The eager simulation of coreml-ane-p4w (the static module, fp16, every linear from its LUTs) against the fp32
+    module on the evaluation text; the same module with each LUT's entries reversed misses the same bound."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.palettize import PalettizedTensor
+    from quant.quantize import cast_quantized
+    from quant.schemes import apply_scheme
+    from recipes.evaluation import fidelity
+    from recipes.lowering.static_program import eager_session, static_form
+    from recipes.registry import get_recipe
+    from recipes.running.generate import eager_step
+
+    context = 32
+    recipe = get_recipe("coreml-ane-p4w")
+    checkpoint = tiny_checkpoint
+    reference = build_exportable(checkpoint.config, checkpoint.state_dict, ExportOptions(context, attention="sdpa"))
+    ids = fidelity.eval_token_ids(checkpoint.tokenizer)[:context]
+    expected = fidelity.sequence_logits(eager_step(reference), ids, context)
+    module = build_exportable(checkpoint.config, checkpoint.state_dict, recipe.export_options(context))
+    apply_scheme(module, recipe.quantization)
+    static = static_form(cast_quantized(module, recipe.quantization), {"max_linear_outputs": 32})
+    weights = [m.weight for m in static.modules() if isinstance(getattr(m, "weight", None), PalettizedTensor)]
+    assert len(weights) > 7 * checkpoint.config.num_hidden_layers
+
+    def relative_error() -> float:
+        logits = fidelity.sequence_logits(eager_session(static, 4).step, ids, context).float()
+        return ((logits - expected).norm() / (expected - expected.mean(-1, keepdim=True)).norm()).item()
+
+    # the logits' error as a share of their spread: about c4w's per-channel grid's here; reversed LUTs far past it
+    assert relative_error() < 0.3
+    for weight in weights:
+        weight.codebook = weight.codebook.flip(2)
+    assert relative_error() > 1.0

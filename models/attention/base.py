@@ -161,3 +161,17 @@ class AttentionForm(nn.Module):
         if bounded:
             torch._check(start_pos + seq_len <= options.max_seq_len)
         return start_pos
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention written out (q @ k^T * scale, + additive mask, softmax, @ v) with each kv head's query heads
+    reshaped into one group, so the kv heads are never copied: q [1, heads, T, head_dim], keys and values
+    [1, kv heads, rows, head_dim], mask broadcastable to [1, heads, T, rows] -> [1, heads, T, head_dim]. Core ML
+    computes fused SDPA wrong on iOS 26, and the copies of repeat_interleave cost time (ExecuTorch's static
+    attention, decompose_sdpa_in_mha)."""
+    _, heads, _, head_dim = q.shape
+    kv_heads, rows = keys.shape[1], keys.shape[2]
+    grouped = q.reshape(1, kv_heads, -1, head_dim)  # the query heads of kv head h are h * group .. (h + 1) * group
+    scores = torch.matmul(grouped, keys.transpose(-2, -1)) * head_dim ** -0.5
+    weights = torch.softmax(scores.view(1, heads, -1, rows) + mask, dim=-1)
+    return torch.matmul(weights.view(1, kv_heads, -1, rows), values).view(1, heads, -1, head_dim)

@@ -150,8 +150,8 @@ def needs_apple_os() -> str | None:
 NEURAL_ENGINE_NOTE = (
     "CPU_AND_NE lets Core ML place ops on the Neural Engine, falling back to the CPU; which ops run where is Core "
     "ML's decision on the device (Xcode's performance report or MLComputePlan show it), so it cannot be verified off "
-    "Apple hardware. The program is shaped for it: fixed shapes, fp16, int4 with one scale per output channel, "
-    "linears of at most 1024 outputs, no state between calls")
+    "Apple hardware. The program is shaped for it: fixed shapes, fp16, int4 with one scale per output channel or "
+    "4-bit LUTs per group of output channels, linears of at most 1024 outputs, no state between calls")
 
 
 def describe_options(options: dict) -> dict:
@@ -169,7 +169,7 @@ BACKEND = Backend(
     # fp16 on Core ML is a compute precision of the fp32 scheme (recipe coreml-fp16), not a cast.
     # fp16 and c4w modules for the static Neural Engine recipes only: a dynamic program's caches are Core ML
     # state, which coremltools reads back as fp32, so there fp16 is a compute precision of the fp32 scheme.
-    schemes=("fp32", "int4-weight", "int8-weight", "fp16", "c4w"),
+    schemes=("fp32", "int4-weight", "int8-weight", "fp16", "c4w", "p4w"),
     refused={
         "8da4w": "Core ML has no dynamic activation quantization; use int4-weight",
     },
@@ -178,8 +178,9 @@ BACKEND = Backend(
     lowering_context=lowering_patches,
     describe_options=describe_options,
     # coremltools' index_put takes one position only and its gather no bool tensor: the cache is written as
-    # one slice and the causal mask built by comparison.
-    attention="sdpa-slice",
+    # one slice and the causal mask built by comparison; the attention is written out, its query heads grouped
+    # per kv head, since Core ML computes a fused SDPA wrong on iOS 26.
+    attention="grouped-slice",
     # coremltools' MIL program, its fp16 copy of the weights and the .mlpackage, over the converter's own
     # state; writing the .pte copies the .mlpackage's weight files into the program's pieces. Fitted to the
     # zoo's export-only coreml-int4 peaks, 135M to 1.7B, with the chunked overflow check and the weights
@@ -225,5 +226,10 @@ RECIPES = (
              options=dict(ANE_OPTIONS), partitioners=coreml_partitioners("fp16", methods_share_weights=True),
              module_overrides={"fuse_qkv": False}, static_io=True, pte_bytes=_pte_bytes(scheme, "fp16"),
              lowering_memory_ratio=FLOAT_LOWERING_MEMORY_RATIO if scheme == "fp16" else None)
-      for scheme, what in (("c4w", "int4 weights per output channel, 8-bit embeddings, fp16"), ("fp16", "fp16"))),
+      for scheme, what in (("c4w", "int4 weights per output channel, 8-bit embeddings, fp16"),
+                           ("p4w", "4-bit palettized weights, a k-means LUT per output channel (iOS 18's "
+                                   "constexpr_lut_to_dense: the Neural Engine decompresses LUTs just in time as it "
+                                   "reads the weights, so it runs at full speed on 4-bit codes, the recipe nearest "
+                                   "fp32 at about c4w's bytes; c4w's int4 grid is uniform), 8-bit embeddings, fp16"),
+                           ("fp16", "fp16"))),
 )

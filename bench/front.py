@@ -7,7 +7,7 @@ group 32 with the most sensitive linears kept at 8 bits within a 15 % byte budge
 per token, its perplexity ratio and top-1 agreement against fp32 eager on the evaluation and the held-out text (on
 the ExecuTorch runtime) and its quantize time. Then every job's .pte is timed like the random-weight shapes'
 (below): a sample generation is too short to time. All rows come from one invocation, so the speed comparison
-against optimum-executorch's default (minmax, group 32) sees the same machine state and the same engine.
+against optimum-executorch's default (HQQ scale-only qparams, group 32) sees the same machine state and the same engine.
 
 On the shipped shapes (bench/scale_models.py: random bf16 checkpoints with the published configs): one
 export-only job per fitting group size with minmax, then prefill/decode of each .pte on the ExecuTorch
@@ -29,8 +29,9 @@ ALGORITHMS = ("minmax", "hqq", "awq", "spinquant", "gptq", "awq-gptq")
 # the algorithms that also get a job with the most sensitive linears at 8 bits, at this group and budget
 MIXED_ALGORITHMS = ("hqq", "awq-gptq")
 MIXED_PRECISION = {"group_size": 32, "mixed_precision_budget": 0.15}
-# optimum-cli export executorch --qlinear 8da4w: minmax qparams, group 32 (bench/__main__.py optimum_export_cmd)
-DEFAULT = {"algorithm": "minmax", "group_size": 32, "mixed_precision_budget": 0.0}
+# optimum-cli export executorch --qlinear 8da4w: HQQ scale-only qparams (optimum-executorch's
+# DEFAULT_QPARAMS_ALGORITHM since 1.1.0), group 32 (bench/__main__.py optimum_export_cmd)
+DEFAULT = {"algorithm": "hqq", "group_size": 32, "mixed_precision_budget": 0.0}
 # The app's own sample generation first: ExecuTorch's LLM runner, then the Python step loop on the runtime.
 GENERATION_ENGINES = ("executorch-llm-runner", "executorch-runtime")
 MAX_SEQ_LEN = 512

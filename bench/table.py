@@ -403,7 +403,7 @@ def front_table(data: dict) -> list[str]:
     if spread:
         lines += ["", "Decode tok/s of one program across its algorithm rows (run-to-run noise a speed difference "
                       "has to exceed): " + ", ".join(f"{k} {fmt(lo)}–{fmt(hi)}" for k, (lo, hi) in spread.items()) + "."]
-    lines += ["", "Beats the default on both: decode faster than minmax g32 (optimum-executorch's default, "
+    lines += ["", "Beats the default on both: decode faster than hqq g32 (optimum-executorch's default, "
                   "`--qlinear 8da4w`, group 32) on the same engine, measured in the same invocation, by more than the "
                   f"largest spread of one program above ({data.get('decode_noise', 0):.1%}), and a lower "
                   "perplexity ratio against fp32 eager on the evaluation text. Decode tok/s is each .pte's median over "

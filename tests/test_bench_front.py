@@ -1,5 +1,5 @@
 """bench/front.py's pure parts: which group sizes a model takes, the rows of its reports, and which rows beat
-optimum-executorch's default (minmax, group 32) on both decode speed and fidelity."""
+optimum-executorch's default (HQQ scale-only qparams, group 32) on both decode speed and fidelity."""
 from bench.front import (RANDOM_WEIGHTS, beats_default, builtin_jobs, fitting_group_sizes, front_row, keep_unmeasured,
                          report_extract, summarize_front)
 from bench.scale_models import CONFIGS
@@ -56,27 +56,27 @@ def test_the_built_in_jobs_are_every_algorithm_at_every_fitting_group_plus_the_m
 
 
 def test_a_row_beats_the_default_only_when_both_faster_and_closer_to_fp32_on_the_same_engine():
-    default = _row("minmax", 32, 1.5, 100.0)
-    assert beats_default(_row("hqq", 32, 1.4, 101.0), default)
-    assert not beats_default(_row("hqq", 64, 1.6, 120.0), default)  # faster, less faithful
+    default = _row("hqq", 32, 1.5, 100.0)
+    assert beats_default(_row("minmax", 32, 1.4, 101.0), default)
+    assert not beats_default(_row("minmax", 64, 1.6, 120.0), default)  # faster, less faithful
     assert not beats_default(_row("awq", 32, 1.3, 99.0), default)  # more faithful, slower
-    assert not beats_default(_row("hqq", 32, 1.4, 101.0, engine="executorch-runtime"), default)
+    assert not beats_default(_row("minmax", 32, 1.4, 101.0, engine="executorch-runtime"), default)
     assert not beats_default(default, default)
-    assert not beats_default(_row("hqq", 32, None, 101.0), default)  # fidelity not measured
-    assert not beats_default(_row("hqq", 32, 1.4, 101.0), default, noise=0.03)  # within one program's spread
-    assert beats_default(_row("hqq", 64, 1.4, 104.0), default, noise=0.03)
+    assert not beats_default(_row("minmax", 32, None, 101.0), default)  # fidelity not measured
+    assert not beats_default(_row("minmax", 32, 1.4, 101.0), default, noise=0.03)  # within one program's spread
+    assert beats_default(_row("minmax", 64, 1.4, 104.0), default, noise=0.03)
 
 
 MIXED = ["model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj", "model.layers.29.mlp.down_proj", "lm_head"]
 
 
 def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_per_algorithm():
-    runs = [_run("minmax", 32, _report(70_000_000, 1.5, 100.0)),
-            _run("hqq", 32, _report(70_000_000, 1.4, 100.5)),
-            _run("hqq", 64, _report(66_000_000, 1.45, 110.0)),
-            _run("minmax", 64, _report(67_000_000, 1.8, 108.0)),
-            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, units_8bit=MIXED), budget=0.15),
-            _run("minmax", 128, _report(60_000_000, None, None), shape="llama-3.2-1b", full=False)]
+    runs = [_run("hqq", 32, _report(70_000_000, 1.5, 100.0)),
+            _run("minmax", 32, _report(70_000_000, 1.4, 100.5)),
+            _run("minmax", 64, _report(66_000_000, 1.45, 110.0)),
+            _run("hqq", 64, _report(67_000_000, 1.8, 108.0)),
+            _run("minmax", 32, _report(72_000_000, 1.2, 95.0, units_8bit=MIXED), budget=0.15),
+            _run("hqq", 128, _report(60_000_000, None, None), shape="llama-3.2-1b", full=False)]
     decode = [{"shape": "llama-3.2-1b", "group_size": 128, "engine": "llama-3.2-1b g128", "run": i, "returncode": 0,
                "result": {"decode_tokens_per_s": rate, "prefill_tokens_per_s": 50.0, "new_tokens": 64}}
               for i, rate in enumerate((10.0, 12.0, 11.0))]
@@ -84,21 +84,21 @@ def test_the_summary_reads_each_report_marks_the_winners_and_checks_the_bytes_pe
             "settings": {"recipe": "xnnpack-8da4w", "max_seq_len": 512, "threads": 2, "decode_runs": 3}}
     data.update(summarize_front(data))
     rows = {(r["shape"], r["name"]): r for r in data["rows"]}
-    hqq = rows[("smollm2-135m", "hqq g32")]
-    assert (hqq["heldout_perplexity_ratio"], hqq["decode_engine"], hqq["decode_tokens_per_s"]) == (1.5, "executorch-llm-runner", 100.5)
+    minmax = rows[("smollm2-135m", "minmax g32")]
+    assert (minmax["heldout_perplexity_ratio"], minmax["decode_engine"], minmax["decode_tokens_per_s"]) == (1.5, "executorch-llm-runner", 100.5)
     assert data["decode_noise"] == round(110 / 108 - 1, 4)
-    assert rows[("smollm2-135m", "hqq g64")]["beats_default"] and not hqq["beats_default"]  # hqq g32: within noise
-    assert not rows[("smollm2-135m", "minmax g64")]["beats_default"]
-    assert rows[("smollm2-135m", "hqq g32 +8-bit 15%")]["units_8bit"] == MIXED
+    assert rows[("smollm2-135m", "minmax g64")]["beats_default"] and not minmax["beats_default"]  # minmax g32: within noise
+    assert not rows[("smollm2-135m", "hqq g64")]["beats_default"]
+    assert rows[("smollm2-135m", "minmax g32 +8-bit 15%")]["units_8bit"] == MIXED
     assert data["same_bytes_across_algorithms"] == {
-        "smollm2-135m g32": {"algorithms": ["minmax", "hqq"], "same": True},
-        "smollm2-135m g64": {"algorithms": ["hqq", "minmax"], "same": False}}
-    big = rows[("llama-3.2-1b", "minmax g128")]
+        "smollm2-135m g32": {"algorithms": ["hqq", "minmax"], "same": True},
+        "smollm2-135m g64": {"algorithms": ["minmax", "hqq"], "same": False}}
+    big = rows[("llama-3.2-1b", "hqq g128")]
     assert (big["decode_tokens_per_s"], big["decode_runs"], big["fidelity_engine"]) == (11.0, 3, RANDOM_WEIGHTS)
     assert big["beats_default"] is None
     text = "\n".join(front_table(data))
-    assert "| smollm2-135m (built-in) | hqq | 64 | – | 66.00 |" in text and text.count("| **yes** |") == 1
-    assert f"| llama-3.2-1b (random weights) | minmax | 128 | – | 60.00 | 100.0 | {RANDOM_WEIGHTS} |" in text
+    assert "| smollm2-135m (built-in) | minmax | 64 | – | 66.00 |" in text and text.count("| **yes** |") == 1
+    assert f"| llama-3.2-1b (random weights) | hqq | 128 | – | 60.00 | 100.0 | {RANDOM_WEIGHTS} |" in text
     assert "layer 0 v_proj, down_proj; layer 29 down_proj and the output layer, +2.00 MB/token" in text
     assert "2026-01-01" in text and "Some CPU" in text
 
@@ -139,8 +139,8 @@ def test_a_timed_built_in_program_replaces_its_sample_speed_and_decides_which_ro
     keyed by its job, and a later timing of one program keeps the others'."""
     from bench.front import TIMED_ENGINE, builtin_programs
 
-    runs = [_run("minmax", 32, _report(70_000_000, 1.5, 300.0)), _run("hqq", 64, _report(66_000_000, 1.4, 90.0)),
-            _run("hqq", 32, _report(72_000_000, 1.2, 95.0, units_8bit=MIXED), budget=0.15)]
+    runs = [_run("hqq", 32, _report(70_000_000, 1.5, 300.0)), _run("minmax", 64, _report(66_000_000, 1.4, 90.0)),
+            _run("minmax", 32, _report(72_000_000, 1.2, 95.0, units_8bit=MIXED), budget=0.15)]
 
     def timed(name, rates):
         group = int(name.split(" g")[1][:2])
@@ -149,28 +149,28 @@ def test_a_timed_built_in_program_replaces_its_sample_speed_and_decides_which_ro
                  "result": {"decode_tokens_per_s": rate, "prefill_tokens_per_s": 900.0, "new_tokens": 64}}
                 for i, rate in enumerate(rates)]
 
-    decode = timed("minmax g32", (200.0, 210.0, 205.0)) + timed("hqq g64", (230.0, 220.0, 226.0))
-    data = {"meta": META, "runs": runs, "decode": decode + timed("hqq g32 +8-bit 15%", (180.0,)), "skipped": {},
+    decode = timed("hqq g32", (200.0, 210.0, 205.0)) + timed("minmax g64", (230.0, 220.0, 226.0))
+    data = {"meta": META, "runs": runs, "decode": decode + timed("minmax g32 +8-bit 15%", (180.0,)), "skipped": {},
             "settings": {"recipe": "xnnpack-8da4w", "max_seq_len": 512, "threads": 2, "decode_runs": 3}}
     data.update(summarize_front(data))
     rows = {r["name"]: r for r in data["rows"]}
-    assert (rows["minmax g32"]["decode_tokens_per_s"], rows["minmax g32"]["decode_runs"]) == (205.0, 3)
-    assert rows["hqq g64"]["decode_engine"] == rows["minmax g32"]["decode_engine"] == TIMED_ENGINE
+    assert (rows["hqq g32"]["decode_tokens_per_s"], rows["hqq g32"]["decode_runs"]) == (205.0, 3)
+    assert rows["minmax g64"]["decode_engine"] == rows["hqq g32"]["decode_engine"] == TIMED_ENGINE
     # the sample speeds (300 against 90) would say the opposite
-    assert rows["hqq g64"]["beats_default"]
-    assert rows["hqq g32 +8-bit 15%"]["decode_tokens_per_s"] == 180.0 and not rows["hqq g32 +8-bit 15%"]["beats_default"]
+    assert rows["minmax g64"]["beats_default"]
+    assert rows["minmax g32 +8-bit 15%"]["decode_tokens_per_s"] == 180.0 and not rows["minmax g32 +8-bit 15%"]["beats_default"]
     assert "median of 3 decode runs" in "\n".join(front_table(data))
 
     old = {"meta": {"date": "before"}, "skipped": {}, "runs": runs, "decode": decode}
-    new = {"runs": [], "decode": timed("hqq g64", (240.0,)), "skipped": {}, "settings": {}}
+    new = {"runs": [], "decode": timed("minmax g64", (240.0,)), "skipped": {}, "settings": {}}
     keep_unmeasured(old, {"date": "later"}, new)
-    assert sorted((r["name"], r["result"]["decode_tokens_per_s"]) for r in new["decode"] if r["name"] == "hqq g64") == [
-        ("hqq g64", 240.0)] and len(new["decode"]) == 4
+    assert sorted((r["name"], r["result"]["decode_tokens_per_s"]) for r in new["decode"] if r["name"] == "minmax g64") == [
+        ("minmax g64", 240.0)] and len(new["decode"]) == 4
 
     pte = tmp_path / "model.pte"
     pte.write_bytes(b"pte")
     on_disk = [{**runs[0], "pte": str(pte)}, {**runs[1], "pte": str(tmp_path / "gone.pte")}]
-    assert builtin_programs(on_disk, "smollm2-135m") == {"minmax g32": on_disk[0]}
+    assert builtin_programs(on_disk, "smollm2-135m") == {"hqq g32": on_disk[0]}
 
 
 def test_a_row_reads_the_stored_extract_back_as_its_report():

@@ -37,26 +37,18 @@ BLOCK = 128
 HESSIAN_BLOCK = 512
 # Clipping factors of a group's maximum tried for its scale, from CLIP_LOW to 1.
 CLIP_STEPS, CLIP_LOW = 40, 0.5
-# Weight elements whose clipping search runs at once: its temporaries stay in a CPU's cache over the 41 steps.
-SCALE_BLOCK_ELEMENTS = 1 << 16
 QMIN, QMAX = -8, 7  # torch.int4, symmetric: the groups every int4 scheme here makes
 
 
 def group_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """[rows, columns // group_size] scales: per group the clipped maximum / 7.5 with the least squared
     error, rounded to bf16, the precision a .pte stores them in."""
-    rows = max(1, SCALE_BLOCK_ELEMENTS // weight.shape[1])
-    return torch.cat([_group_scales(weight[start:start + rows], group_size)
-                      for start in range(0, weight.shape[0], rows)])
-
-
-def _group_scales(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    groups = weight.reshape(weight.shape[0], -1, group_size)
+    groups = weight.view(weight.shape[0], -1, group_size)
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-9)
     best = best_error = None
     for step in range(CLIP_STEPS + 1):
         scale = amax * (CLIP_LOW + (1 - CLIP_LOW) * step / CLIP_STEPS) / (-QMIN - 0.5)
-        error = ((groups / scale).round_().clamp_(QMIN, QMAX).mul_(scale).sub_(groups)).pow_(2).sum(-1, keepdim=True)
+        error = ((groups / scale).round().clamp(QMIN, QMAX) * scale - groups).pow(2).sum(-1, keepdim=True)
         if best is None:
             best, best_error = scale, error
         else:

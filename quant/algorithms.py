@@ -88,8 +88,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
               pt2e_refusal="SpinQuant's rotations gave a larger error than minmax under {scheme}'s PT2E quantizer, "
                            "whose 16-bit activations leave it only the weights' outliers to spread"),
     # GPTQ's column-by-column error compensation against each linear's Hessian (quant/gptq.py)
-    Algorithm("gptq", "GPTQ error compensation on the calibration text's Hessians (torchao's observer), layer by "
-                      "layer",
+    Algorithm("gptq", "GPTQ error compensation on the calibration text's Hessians, layer by layer, each layer's "
+                      "linears in call order",
               calibration_tokens=GPTQ_CALIBRATION_TOKENS, gptq_integers=True),
     Algorithm("awq-gptq", "AWQ's scales (torchao) folded in, then GPTQ",
               prepare_module=apply_awq, calibration_tokens=GPTQ_CALIBRATION_TOKENS, search_products=search_products,

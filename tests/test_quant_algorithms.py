@@ -547,3 +547,50 @@ def test_gptq_scale_refit_solves_each_rows_least_squares_and_never_adds_error():
         root = torch.linalg.cholesky(damped.double()).T  # w H wᵀ = ||root w||²
         exact = torch.linalg.lstsq(root @ design.double(), root @ weight[row].double()).solution
         assert torch.allclose(refitted[row].double(), exact, rtol=1e-2)
+
+
+def test_gptq_hessian_of_a_shared_input_is_torchaos_observer_hessian():
+    """One Hessian per input, summed by its upper triangle's block rows: torchao's GPTQ observer's, to fp32's rounding."""
+    from torchao.prototype.gptq.observer import GPTQObserverTensor
+
+    from quant import gptq
+
+    generator = torch.Generator().manual_seed(6)
+    calls = [torch.randn(1, 40, 96, generator=generator) * torch.linspace(0.1, 3, 96) for _ in range(3)]
+    observer = GPTQObserverTensor.from_hp(torch.zeros(8, 96))
+    ours = gptq._Hessian(96)
+    original_block, gptq.HESSIAN_BLOCK = gptq.HESSIAN_BLOCK, 32  # several block rows, one of them partial
+    try:
+        for x in calls:
+            torch.nn.functional.linear(x, observer)
+            ours.add(x)
+    finally:
+        gptq.HESSIAN_BLOCK = original_block
+    assert torch.allclose(ours.value(), observer.hessian, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["custom", "sdpa"])
+def test_gptq_quantizes_a_layer_in_call_order_and_hands_on_the_quantized_layers_outputs(random_llama, attention):
+    """Linears reading one input share a Hessian (q/k/v or the fused qkv, gate/up); the outputs quantize_layer
+    returns, made in the same passes, are the quantized layer's own on each window."""
+    from models.llama import ExportOptions, build_exportable
+    from quant.gptq import _first_layer_inputs, _input_groups, quantize_layer
+    from quant.schemes import SCALE_DTYPE_8DA4W, int4_weight_with_scales
+
+    config, state_dict, _, _ = random_llama
+    module = build_exportable(config, state_dict, ExportOptions(64, **_module_form(attention)))
+    layer, attn, mlp = module.model.layers[0], module.model.layers[0].self_attn, module.model.layers[0].mlp
+    windows = list(_calibration(random_llama, "gptq"))[:4]
+    inputs = _first_layer_inputs(module, windows)
+    hidden, arguments = [a[0] for a in inputs], [a[1:] for a in inputs]
+    qkv = [attn.qkv_proj] if attention == "custom" else [attn.q_proj, attn.k_proj, attn.v_proj]
+    assert _input_groups(layer, hidden[0], arguments[0]) == [qkv, [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                                                              [mlp.down_proj]]
+    outputs = quantize_layer(layer, hidden, arguments, 32, int4_weight_with_scales("int8_asym_per_token",
+                                                                                   SCALE_DTYPE_8DA4W))
+    assert all(type(m.weight) is not torch.Tensor for m in (*qkv, attn.o_proj, mlp.gate_proj, mlp.down_proj))
+    assert "forward" not in vars(attn.o_proj)  # the replaying forward is gone
+    with torch.no_grad():
+        for x, args, out in zip(hidden, arguments, outputs):
+            module.reset_cache()
+            assert torch.equal(layer(x, *args), out)

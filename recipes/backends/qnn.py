@@ -53,15 +53,19 @@ PREFILL_METHOD, DECODE_METHOD = "prefill_forward", "kv_forward"
 DEFAULT_PREFILL_TOKENS = 32  # Qualcomm's llama.py --prefill_ar_len default
 
 
-def prefill_tokens(options: dict) -> int:
-    value = options.get("prefill_tokens", DEFAULT_PREFILL_TOKENS)
+def _whole_number(options: dict, key: str, default: int, unit: str, example: str) -> int:
+    """A positive whole-number option, as the CLI or the app's number field gives it."""
+    value = options.get(key, default)
     if isinstance(value, float) and value.is_integer():  # a form's number field
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserFacingError(f"prefill_tokens must be a whole number of tokens, 1 or more (got {value!r}); e.g. "
-                              f"prefill_tokens={DEFAULT_PREFILL_TOKENS}, or 1 for one method that prefills token by "
-                              "token.")
+        raise UserFacingError(f"{key} must be a whole number of {unit}, 1 or more (got {value!r}); e.g. {example}.")
     return value
+
+
+def prefill_tokens(options: dict) -> int:
+    return _whole_number(options, "prefill_tokens", DEFAULT_PREFILL_TOKENS, "tokens",
+                         f"prefill_tokens={DEFAULT_PREFILL_TOKENS}, or 1 for one method that prefills token by token")
 
 
 def kv_io_methods(options: dict, context: int) -> dict[str, int] | None:
@@ -413,13 +417,8 @@ DEFAULT_LAYERS_PER_SHARD = 4
 
 
 def layers_per_shard(options: dict) -> int:
-    value = options.get("layers_per_shard", DEFAULT_LAYERS_PER_SHARD)
-    if isinstance(value, float) and value.is_integer():  # a form's number field
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserFacingError(f"layers_per_shard must be a whole number of decoder layers, 1 or more (got {value!r}); "
-                              f"e.g. layers_per_shard={DEFAULT_LAYERS_PER_SHARD}.")
-    return value
+    return _whole_number(options, "layers_per_shard", DEFAULT_LAYERS_PER_SHARD, "decoder layers",
+                         f"layers_per_shard={DEFAULT_LAYERS_PER_SHARD}")
 
 
 def split_into_shards(edge_program: torch.export.ExportedProgram, per_shard: int) -> None:

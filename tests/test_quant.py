@@ -220,7 +220,7 @@ def test_two_recipes_sharing_a_quantization_both_lower(tiny_llama_dir, tmp_path)
         delegation = report.delegation
         ops = {o.op: o for o in delegation.ops}
         assert delegation.delegated_subgraphs == 1 and delegation.non_delegated_nodes <= 2
-        for op in ("aten_linear_default", "aten_scaled_dot_product_attention_default"):
+        for op in ("aten_linear_default", "aten_matmul_default", "aten_softmax_int"):  # attention written out
             assert ops[op].delegated > 0 and ops[op].non_delegated == 0, ops[op]
 
 

@@ -10,9 +10,10 @@ import importlib
 import math
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from models.module_options import LlamaShape
+if TYPE_CHECKING:  # the app's first lines read the families before its thread policy lets torch load
+    from models.module_options import LlamaShape
 
 FAMILIES: dict[str, "Family"] = {}
 LLAMA_ROTARY = "transformers.models.llama.modeling_llama.LlamaRotaryEmbedding"
@@ -45,6 +46,8 @@ class Family:
     example_repos: tuple[str, ...] = ()
 
     def shape(self, config) -> LlamaShape:
+        from models.module_options import LlamaShape  # loads torch
+
         return dataclasses.replace(LlamaShape.from_config(config), **self.differences(config))
 
     def source(self, name: str, shape: LlamaShape) -> tuple[str, slice | None]:

@@ -6,6 +6,7 @@ and name no family. A new family is a new file here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import pkgutil
@@ -77,9 +78,15 @@ def register(family: Family) -> Family:
 
 def families() -> dict[str, Family]:
     """Every family in this folder, by name."""
+    _import_family_files()
+    return FAMILIES
+
+
+@functools.cache
+def _import_family_files() -> None:
+    # once per process: module shapes and checkpoint names ask for the family on every build and estimate
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
-    return FAMILIES
 
 
 def family_named(config) -> Family | None:

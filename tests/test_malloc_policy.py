@@ -71,18 +71,22 @@ def test_a_pass_after_pass_stage_reuses_its_blocks_and_gives_them_back_when_it_e
 
 
 KEEP_PROBE = """
-import json, resource
+import ctypes, json, resource
 from recipes.process import malloc_policy
 malloc_policy.unmap_large_blocks()
-import psutil, torch
+import psutil
+libc = malloc_policy._glibc()
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 with malloc_policy.reusing_large_blocks():  # a search before, whose end sets the stock trim threshold
-    torch.ones(8 << 20).add_(1)
-def fit():  # an HQQ fit's shape: ops on 512 KiB blocks, each result below the mmap threshold, freed again
+    pass
+def fit():  # an HQQ fit's shape: an op's 512 KiB result, below the mmap threshold, written and freed again
     start = faults()
     for _ in range(200):
-        w = torch.ones(1 << 17)
-        (w / 3).round_().clamp_(-8, 7).mul_(w).sum()
+        block = libc.malloc(512 << 10)
+        ctypes.memset(block, 1, 512 << 10)
+        libc.free(block)
     return faults() - start
 trimmed = fit()
 before = psutil.Process().memory_info().rss
@@ -96,6 +100,7 @@ print(json.dumps({"trimmed": trimmed, "kept": kept,
 @pytest.mark.skipif(sys.platform != "linux", reason="the policy is glibc's")
 def test_quantizing_a_unit_keeps_its_freed_heap_pages_and_gives_them_back_after():
     figures = _probe_figures(KEEP_PROBE)
-    assert figures["trimmed"] > 5_000  # the freed top of the heap handed back, and faulted in again, every op
+    # glibc's own calls from the main thread, not torch's ops, whose allocations differ with the CPU's kernels
+    assert figures["trimmed"] > 100 * 128  # the freed top of the heap handed back, and faulted in again, every op
     assert figures["kept"] < figures["trimmed"] / 20
     assert figures["retained_mib"] < 10

@@ -189,3 +189,13 @@ def test_the_builtin_default_jobs_estimate_is_near_its_measured_time(builtin_run
         assert 1 / ESTIMATE_BOUND <= own_ratio <= ESTIMATE_BOUND
         assert any("extrapolated" in note for note in notes), notes
         assert 1 / BORROWED_RATES_BOUND <= ratio <= BORROWED_RATES_BOUND
+
+
+def test_a_recipe_measured_at_one_size_keeps_its_level_and_borrows_the_slope(tmp_path):
+    """fp32 measured at one size only: its lowering keeps the seconds it measured there, and grows with the model as
+    the backend's other recipe, measured at two sizes, does."""
+    path = results(tmp_path, [cell(n, {"lower": 10 * (n / 1e8) ** 0.5}) for n in (int(1e8), int(1e10))]
+                   + [cell(int(1e9), {"lower": 3.0}, recipe="xnnpack-fp32", algorithm=None)])
+    (time,), notes = estimate(path, 4e9, ["xnnpack-fp32"], generate=False)
+    assert time.lower == pytest.approx(3.0 * 4 ** 0.5)
+    assert any("that of similar recipes" in note for note in notes), notes

@@ -172,15 +172,29 @@ def stage_fit(stage: str, backend: str, scheme: str, algorithm: str | None, expo
 
 def fit_stage(cells: tuple[Sample, ...], stage: str, backend: str, scheme: str, algorithm: str | None,
               export_only: bool) -> Fit | None:
-    """The stage's fit for a recipe like this, from the narrowest group of cells that measured two sizes."""
+    """The stage's fit for a recipe like this, from the narrowest group of cells that measured two sizes. Where a
+    narrower group measured one size only, the fit keeps that group's own level there and takes only its slope
+    from the wider group: a recipe's fixed costs (graph passes per layer) differ more between recipes than their
+    growth with the model does."""
     wanted = {"backend": backend, "scheme": scheme, "algorithm": algorithm, "export_only": export_only}
     groupings = GROUPINGS[stage]
+    anchor: list[Sample] = []  # the narrowest group's cells, when they measured one size
     for index, grouping in enumerate(groupings):
         chosen = [c for c in cells if all(getattr(c, key) == wanted[key] for key in grouping)]
         fit = _fit(chosen, stage, tuple(wanted[key] for key in grouping), widest=index == len(groupings) - 1)
         if fit is not None:
-            return fit
+            return _anchored(fit, anchor, stage) if anchor else fit
+        if not anchor:
+            anchor = [c for c in chosen if stage in c.seconds]
     return None
+
+
+def _anchored(fit: Fit, cells: list[Sample], stage: str) -> Fit:
+    """`fit`'s slope through the level `cells` (all of one model size) measured."""
+    logs = [math.log(max(MIN_SECONDS, c.seconds[stage]) * speed_of(stage, c.speed))
+            - fit.exponent * math.log(c.params / 1e9) for c in cells]
+    return Fit(math.exp(sum(logs) / len(logs)), fit.exponent, fit.cells + len(cells),
+               min(fit.smallest, cells[0].params), max(fit.largest, cells[0].params), fit.group)
 
 
 def estimate_time(params: int, recipes: list, options: dict, generate: bool, speed: HostSpeed,

@@ -5,7 +5,8 @@ A cell is one recipe's job on one model, measured alone on its host, with each s
 timings) and its host's speed (recipes/estimates/host_speed.py). A stage's seconds are fitted as a power law of the model's
 parameters, seconds = scale * (parameters / 1e9) ** exponent, on the cells most like the recipe (the same backend
 and scheme, and for quantizing the same algorithm), widening to the backend's cells, then to every cell, where
-fewer than two model sizes were measured. Seconds are fitted at the cells' speed and scaled to this host's: the
+fewer than two model sizes were measured (a narrower group measured at one size keeps its level there and borrows
+only the slope). Seconds are fitted at the cells' speed and scaled to this host's: the
 Python-bound stages by the Python probe, the others by the matmul probe. The stages every recipe of a job shares
 (loading, the fp32 reference) are counted once per job."""
 from __future__ import annotations

@@ -224,7 +224,8 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
                           kv_cache=kv_cache_section(recipe, options, job.checkpoint.config, request.max_seq_len)),
         versions=job.versions, threads=Threads.from_dict(thread_policy.describe(), strict=True),
         timings=figures.timings, pte=shipped.pte,
-        llm_metadata=LlmMetadata.from_dict(made.metadata, strict=True) if made.metadata is not None else None,
+        llm_metadata=(LlmMetadata.from_dict(static_program.reported_metadata(made.metadata), strict=True)
+                      if made.metadata is not None else None),
         delegation=lowered.delegation if lowered is not None else None,
         generations=generations, quantization=made.quantization, fidelity=measured.fidelity, errors=errors,
         generation_note=None if request.generate else

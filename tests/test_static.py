@@ -145,7 +145,7 @@ def test_builtin_shaped_ane_c4w_has_both_static_methods_with_every_linear_in_cor
     out, report = builtin_shaped_ane_c4w
     assert not report.errors, report.errors
     program = Runtime.get().load_program(str(out / "model.pte"))
-    assert {"prefill", "decode"} <= program.method_names
+    assert {"prefill", "forward"} <= program.method_names
     layers, kv_heads, head_dim = BUILTIN_SHAPED_LAYERS, 3, 64
     for method, tokens in (("prefill", 32), ("forward", 1)):
         meta = program.metadata(method)

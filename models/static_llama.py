@@ -142,4 +142,6 @@ class StaticLlama(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             k_new.append(k)
             v_new.append(v)
-        return llama.lm_head(llama.model.norm(x[:, last_valid_token_pos, :])), k_new, v_new
+        if last_valid_token_pos is not None:  # None: every position's logits, for an eager caller only
+            x = x[:, last_valid_token_pos, :]
+        return llama.lm_head(llama.model.norm(x)), k_new, v_new

@@ -20,10 +20,10 @@ ALLOWED_DIFFERENCES = {
 }
 
 # Hugging Face's Llama weights under the names of ExecuTorch's Llama (examples/models/llama).
-_META_NAMES = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-               "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
-               "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
-               "post_attention_layernorm": "ffn_norm"}
+_META_NAMES = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+               "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+               "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2", "mlp.up_proj": "feed_forward.w3",
+               "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
 
 
 def _meta_checkpoint(checkpoint, folder: Path) -> tuple[Path, Path]:
@@ -84,7 +84,8 @@ def lowerbench_static_pte(tiny_llama_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("lowerbench-static")
     summary = run(RunRequest(recipes=["coreml-ane-c4w"], out_dir=out, model=str(tiny_llama_dir), max_seq_len=CONTEXT,
-                             max_new_tokens=4, generate=False, options={"prefill_chunk": CHUNK, "quant_algorithm": "minmax"}))
+                             max_new_tokens=4, generate=False,
+                             options={"prefill_chunk": CHUNK, "quant_algorithm": "minmax"}))
     assert not summary.recipes[0].errors, summary.recipes[0].errors
     return out / "model.pte"
 

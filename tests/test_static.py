@@ -14,9 +14,9 @@ def _dynamic_and_static(checkpoint, context: int, max_outputs: int | None):
 
 
 def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
-    """fp32: every position's logits of the evaluation text, decoded token by token, equal the dynamic module's; so
-    do a prefill's in chunks of 8 (the last one padded, its last real token's logits selected) and the decode steps
-    after it; linears split to 8 outputs compute the same."""
+    """fp32: every position's logits of the evaluation text, in chunks of 8 (the last one padded) or token by token
+    as a program's session gets them, equal the dynamic module's; so do a prefill's (its last real token's logits
+    selected by last_valid_token_pos) and the decode steps after it; linears split to 8 outputs compute the same."""
     from recipes.evaluation import fidelity
     from recipes.running.generate import eager_step
     from recipes.lowering.static_program import eager_session
@@ -26,9 +26,12 @@ def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
     assert any(type(m).__name__ == "SplitLinear" for m in static.modules())
     ids = fidelity.eval_token_ids(tiny_checkpoint.tokenizer)[:context]
     expected = fidelity.sequence_logits(eager_step(dynamic), ids, context)
-    stepped = fidelity.sequence_logits(eager_session(static, 8).step, ids, context)
-    assert stepped.shape == expected.shape
-    assert (stepped - expected).abs().max().item() < 1e-4
+    one_by_one = eager_session(static, 8)
+    one_by_one.every_position = False
+    for session in (eager_session(static, 8), one_by_one):
+        stepped = fidelity.sequence_logits(session.step, ids, context)
+        assert stepped.shape == expected.shape
+        assert (stepped - expected).abs().max().item() < 1e-4
     session = eager_session(static, 8)
     prefix = 13  # a prefill of one full chunk and a padded one, then decode steps
     decoded = [session.feed(ids[:prefix])] + [session.feed([t]) for t in ids[prefix:context]]
@@ -92,7 +95,8 @@ def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
     shipped = (out / "run_static.py").read_bytes()
     assert shipped == (Path(__file__).resolve().parent.parent / "recipes" / "running" / "static_runner.py").read_bytes()
     methods = Runtime.get().load_program(str(out / "model.pte")).method_names
-    assert {"prefill", "forward", "prefill_kv_cache_specs", "decode_mask_specs", "freqs_cos", "get_max_seq_len"} <= methods
+    assert {"prefill", "forward", "prefill_kv_cache_specs", "decode_mask_specs", "freqs_cos",
+            "get_max_seq_len"} <= methods
     assert "TextLLMRunner" in report.runner_note and report.profile_note
     card = model_card(report, None)
     assert "python run_static.py --prompt" in card and "cannot drive it" in card

@@ -44,7 +44,8 @@ def static_form(module: torch.nn.Module, options: dict) -> StaticLlama:
     return StaticLlama(module, max_outputs=options.get("max_linear_outputs"))
 
 
-def export_methods(static: StaticLlama, prefill_len: int, strict: bool = True) -> dict[str, torch.export.ExportedProgram]:
+def export_methods(static: StaticLlama, prefill_len: int,
+                   strict: bool = True) -> dict[str, torch.export.ExportedProgram]:
     """{"forward": a one-token program, "prefill": a prefill_len-token program}, every shape static, in the order of
     ExecuTorch's export (Core ML pairs the methods' partitions by position)."""
     if not 1 < prefill_len <= static.context:
@@ -83,7 +84,7 @@ def reported_metadata(metadata: dict) -> dict:
 
 def eager_session(static: StaticLlama, prefill_len: int) -> static_runner.StaticSession:
     """The static module in PyTorch behind the runner's own session: the same chunks, masks and cache writes, laid
-    out by the same constant methods."""
+    out by the same constant methods; for fidelity, a chunk's every position's logits at once."""
     n_layers = static.llama.shape.n_layers
     caches = FIRST_CACHE_INPUT
 
@@ -93,7 +94,7 @@ def eager_session(static: StaticLlama, prefill_len: int) -> static_runner.Static
                                           inputs[caches + n_layers:caches + 2 * n_layers], inputs[-1])
         return [logits, *k_new, *v_new]
 
-    return static_runner.StaticSession(call, static_metadata(static, prefill_len))
+    return static_runner.StaticSession(call, static_metadata(static, prefill_len), every_position=True)
 
 
 def runtime_session(pte: Path) -> static_runner.StaticSession:

@@ -68,10 +68,12 @@ class MethodLayout:
 class StaticSession:
     """One sequence over a static program. `call(method, inputs) -> outputs` runs a method on its flat inputs and
     returns its flat outputs (the .pte's methods on the runtime, or the same module in PyTorch); `constants` are the
-    program's constant methods' values."""
+    program's constant methods' values. every_position: `call` returns every position's logits [1, T, vocab] when
+    the last input is None (the module in PyTorch; a program returns its last real token's only)."""
 
-    def __init__(self, call: Callable[[str, list], Sequence[torch.Tensor]], constants: dict):
-        self.call = call
+    def __init__(self, call: Callable[[str, list], Sequence[torch.Tensor]], constants: dict,
+                 every_position: bool = False):
+        self.call, self.every_position = call, every_position
         self.layouts = {method: MethodLayout(constants, prefix) for method, prefix in METADATA_PREFIX.items()}
         self.prefill_len = self.layouts[PREFILL].input_len
         self.freqs_cos, self.freqs_sin = constants["freqs_cos"], constants["freqs_sin"]
@@ -98,9 +100,9 @@ class StaticSession:
         rows[:len(real)] = real
         return rows
 
-    def _run(self, method: str, tokens: list[int]) -> torch.Tensor:
+    def _run(self, method: str, tokens: list[int], every_position: bool = False) -> torch.Tensor:
         """Runs `tokens` (at most the method's input length, padded to it) at the current position; the logits of
-        the last one."""
+        the last one [vocab], or of each [len(tokens), vocab]."""
         layout, start, valid = self.layouts[method], self.position, len(tokens)
         width = layout.input_len
         if start + valid > self.context:
@@ -114,15 +116,15 @@ class StaticSession:
         inputs[layout.sin_input] = self._rope_rows(self.freqs_sin, start, width)
         for (k_in, _, v_in, _, _), k, v in zip(layout.caches, self.k, self.v):
             inputs[k_in], inputs[v_in] = k, v
-        inputs[layout.last_valid_input] = torch.tensor([valid - 1], dtype=torch.long)
+        inputs[layout.last_valid_input] = None if every_position else torch.tensor([valid - 1], dtype=torch.long)
         outputs = self.call(method, inputs)
-        logits = outputs[0].reshape(-1, outputs[0].shape[-1])[-1].clone()
+        logits = outputs[0][0, :valid] if every_position else outputs[0].reshape(-1, outputs[0].shape[-1])[-1]
         stored = min(valid, self.cache_len - start)  # the last position's K/V has no slot and no reader
         for (_, k_out, _, v_out, _), k, v in zip(layout.caches, self.k, self.v):
             k[:, :, start:start + stored] = outputs[k_out][:, :, :stored]
             v[:, :, start:start + stored] = outputs[v_out][:, :, :stored]
         self.position += valid
-        return logits
+        return logits.clone()
 
     def feed(self, tokens: list[int]) -> torch.Tensor:
         """logits[vocab] of the last of `tokens`, appended at the current position: one token by `forward`, more by
@@ -135,14 +137,19 @@ class StaticSession:
 
     def step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """The dynamic program's interface, step(tokens[1, T], input_pos[1]) -> logits[1, T, vocab], for every
-        position: one `forward` call a token, since a call returns its last token's logits only. A call at position 0
-        starts a new sequence."""
+        position: by `prefill` chunks where `call` gives every position's logits, else one `forward` call a token,
+        since a program's call returns its last real token's only. A call at position 0 starts a new sequence."""
         start = int(input_pos[0])
         if start == 0:
             self.reset()
         if start != self.position:
             raise ValueError(f"the session is at position {self.position}, not {start}")
-        return torch.stack([self.feed([token]) for token in tokens[0].tolist()])[None]
+        ids = tokens[0].tolist()
+        if not self.every_position:
+            return torch.stack([self.feed([token]) for token in ids])[None]
+        chunks = [ids[i:i + self.prefill_len] for i in range(0, len(ids), self.prefill_len)]
+        return torch.cat([self._run(PREFILL if len(chunk) > 1 else DECODE, chunk, every_position=True)
+                          for chunk in chunks])[None]
 
 
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:

@@ -147,10 +147,10 @@ def contract_differences(ours: dict, theirs: dict) -> set[tuple[str, ...]]:
 
 def test_neural_engine_program_has_executorch_static_exports_methods_specs_and_metadata(lowerbench_static_pte,
                                                                                         executorch_static_pte):
-    """Any runner written against ExecuTorch's static programs (its StaticAttentionIOManager, its Python
-    run_static_llm_multifunction.py) finds in Lowerbench's program what it finds in ExecuTorch's: the methods, each
-    input's and output's dtype, shape and memory planning, and the constant methods' values; the differences are
-    exactly the table's, each justified in docs/coreml.md."""
+    """A runner written against ExecuTorch's static programs (its C++ StaticAttentionIOManager) finds in
+    Lowerbench's program what it finds in ExecuTorch's: the methods, each input's and output's dtype, shape and
+    memory planning, and the constant methods' values; the differences are exactly the table's, each justified in
+    docs/coreml.md."""
     ours, theirs = program_contract(lowerbench_static_pte), program_contract(executorch_static_pte)
     assert {"forward", "prefill", "prefill_kv_cache_specs", "freqs_cos"} <= theirs.keys()
     assert contract_differences(ours, theirs) == ALLOWED_DIFFERENCES

@@ -39,6 +39,38 @@ def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
     assert (torch.stack(decoded[:-1]) - expected[prefix - 1:]).abs().max().item() < 1e-4
 
 
+def test_twelve_layers_caches_go_where_the_specs_say_unlike_executorchs_own_script(tiny_checkpoint):
+    """From 11 layers, ExecuTorch 1.5.1's export script sorts its cache names as strings and pairs a layer's input
+    cache with another layer's output in its kv cache specs (docs/coreml.md); Lowerbench's specs pair each layer with
+    itself, and a session that places the caches by them computes the dynamic module's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from executorch.examples.apple.coreml.llama.export_static_llm_coreml import _create_example_inputs, _get_metadata
+    from executorch.examples.models.llama.model_args import ModelArgs
+    from recipes.lowering.static_program import eager_session, static_metadata
+    from recipes.running.generate import eager_step
+
+    layers, context = 12, 16
+    config = LlamaConfig(vocab_size=tiny_checkpoint.config.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    checkpoint = type("Checkpoint", (), {"config": config, "state_dict": LlamaForCausalLM(config).state_dict()})
+    dynamic, static = _dynamic_and_static(checkpoint, context, None)
+    ours = static_metadata(static, 4)["decode_kv_cache_specs"]
+    assert ours[:, :4].tolist() == [[4 + i, 1 + i, 4 + layers + i, 1 + layers + i] for i in range(layers)]
+    args = ModelArgs(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=config.vocab_size,
+                     max_context_len=context, generate_full_logits=False)
+    args.attention_type = "static_mha"
+    inputs, cache_len = _create_example_inputs(args, 1, context, torch.float32, cache_len=context - 1)
+    theirs = _get_metadata(args, inputs, 1, cache_len, torch.float32)["kv_cache_specs"]
+    assert theirs[2, :2].tolist() == [4 + 10, 1 + 2] and not torch.equal(theirs, ours)
+    session = eager_session(static, 4)
+    session.every_position = False
+    ids = [3 + i % (config.vocab_size - 3) for i in range(context)]
+    expected = eager_step(dynamic)(torch.tensor([ids]), torch.tensor([0]))[0]
+    assert (session.step(torch.tensor([ids]), torch.tensor([0]))[0] - expected).abs().max().item() < 1e-4
+
+
 def _load_shipped_runner(folder):
     """The folder's run_static.py as a module: the file a user runs, not the repository's copy."""
     import importlib.util

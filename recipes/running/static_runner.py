@@ -135,16 +135,24 @@ class StaticSession:
             logits = self._run(PREFILL, tokens[i:i + self.prefill_len])
         return logits
 
-    def step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """The dynamic program's interface, step(tokens[1, T], input_pos[1]) -> logits[1, T, vocab], for every
-        position: by `prefill` chunks where `call` gives every position's logits, else one `forward` call a token,
-        since a program's call returns its last real token's only. A call at position 0 starts a new sequence."""
+    def _continue_at(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> list[int]:
         start = int(input_pos[0])
         if start == 0:
             self.reset()
         if start != self.position:
             raise ValueError(f"the session is at position {self.position}, not {start}")
-        ids = tokens[0].tolist()
+        return tokens[0].tolist()
+
+    def last_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """step's interface for a generation loop, which reads the last position's logits only: [1, 1, vocab], the
+        tokens fed as `feed` does (a prompt by `prefill` chunks)."""
+        return self.feed(self._continue_at(tokens, input_pos))[None, None]
+
+    def step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """The dynamic program's interface, step(tokens[1, T], input_pos[1]) -> logits[1, T, vocab], for every
+        position: by `prefill` chunks where `call` gives every position's logits, else one `forward` call a token,
+        since a program's call returns its last real token's only. A call at position 0 starts a new sequence."""
+        ids = self._continue_at(tokens, input_pos)
         if not self.every_position:
             return torch.stack([self.feed([token]) for token in ids])[None]
         chunks = [ids[i:i + self.prefill_len] for i in range(0, len(ids), self.prefill_len)]

@@ -96,7 +96,9 @@ def _static(report: Report) -> list[str]:
             "constant methods: `n_heads_per_cache`, `head_dim`, `freqs_cos`/`freqs_sin`, and for each method its "
             "`_input_len`, `_kv_cache_specs` (k in, k out, v in, v out, cache length), `_mask_specs` and "
             "`_freqs_cos_input_index`/`_freqs_sin_input_index`; the last input is the last real token's index. "
-            "Its inputs and outputs are not memory-planned, so the manager binds its own buffers. ExecuTorch's "
+            "Its inputs and outputs are not memory-planned, so the manager binds its own buffers. (Lowerbench checks "
+            "the program's methods, specs and constants against ExecuTorch's own static export; the C++ manager has "
+            "not run on it here.) ExecuTorch's "
             "`TextLLMRunner` (behind `llama_main` and the Android and iOS demo apps' default path) cannot drive it: "
             "it expects one `forward` method that keeps its KV cache as state.", ""]
 

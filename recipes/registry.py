@@ -109,9 +109,9 @@ class Recipe:
     # Where this recipe's lowering differs from the backend's `lowering_memory_ratio` (same units).
     lowering_memory_ratio: float | None = None
     default: bool = False  # ticked when the app opens
-    # Static shapes, caches and masks as inputs and outputs (models/static_llama.py): the .pte has `prefill` and
-    # `decode` methods (recipes/lowering/static_program.py) and ships run_static.py; its options give prefill_chunk and
-    # max_linear_outputs.
+    # Static shapes, caches and masks as inputs and outputs (models/static_llama.py): the .pte has `forward` (decode)
+    # and `prefill` methods in ExecuTorch's static layout (recipes/lowering/static_program.py) and ships
+    # run_static.py; its options give prefill_chunk and max_linear_outputs.
     static_io: bool = False
 
     def export_options(self, max_seq_len: int, options: dict | None = None) -> ExportOptions:

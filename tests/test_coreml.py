@@ -320,7 +320,7 @@ def test_palettized_recipe_lowers_every_linear_to_a_lut_decompression_in_the_mil
     assert not report.errors, report.errors
     layers = tiny_checkpoint.config.num_hidden_layers
     functions = mil_ops((out / "model.pte").read_bytes(), tmp_path)
-    assert set(functions) == {"prefill", "decode"}
+    assert set(functions) == {"forward", "prefill"}
     for name, ops in functions.items():
         assert ops["constexpr_lut_to_dense"] == 7 * layers + 1, (name, ops)
         assert ops["constexpr_blockwise_shift_scale"] == 1, (name, ops)

@@ -190,12 +190,14 @@ def test_the_static_form_computes_the_modules_logits(family, family_checkpoints)
         expected = module(tokens, torch.tensor([0]))
         static = StaticLlama(module)
         inputs = list(static.example_inputs(8))
-        inputs[0] = tokens
-        mask = torch.full((8, 32 + 8), float("-inf"))
-        mask[:, 32:] = torch.triu(torch.full((8, 8), float("-inf")), diagonal=1)
-        inputs[2] = mask[None, None]
-        logits, _k, _v = static(*inputs)
-    assert (logits - expected).abs().max().item() <= 1e-5
+        inputs[0] = tokens.to(torch.int32)
+        mask = torch.full((8, static.cache_len + 8), float("-inf"))
+        mask[:, static.cache_len:] = torch.triu(torch.full((8, 8), float("-inf")), diagonal=1)
+        inputs[1] = mask[None]
+        for last in (7, 5):  # each position's logits, selected by last_valid_token_pos
+            inputs[-1] = torch.tensor([last])
+            logits, _k, _v = static(*inputs)
+            assert (logits[:, 0] - expected[:, last]).abs().max().item() <= 1e-5
 
 
 def _write_config(folder, config: dict):

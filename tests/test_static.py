@@ -14,8 +14,9 @@ def _dynamic_and_static(checkpoint, context: int, max_outputs: int | None):
 
 
 def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
-    """fp32: every position's logits of the evaluation text, prefilled in chunks of 8 (the last one padded) and then
-    decoded token by token, equal the dynamic module's; linears split to 8 outputs compute the same."""
+    """fp32: every position's logits of the evaluation text, in chunks of 8 (the last one padded) or token by token
+    as a program's session gets them, equal the dynamic module's; so do a prefill's (its last real token's logits
+    selected by last_valid_token_pos) and the decode steps after it; linears split to 8 outputs compute the same."""
     from recipes.evaluation import fidelity
     from recipes.running.generate import eager_step
     from recipes.lowering.static_program import eager_session
@@ -25,13 +26,49 @@ def test_static_logits_equal_dynamic_on_the_evaluation_text(tiny_checkpoint):
     assert any(type(m).__name__ == "SplitLinear" for m in static.modules())
     ids = fidelity.eval_token_ids(tiny_checkpoint.tokenizer)[:context]
     expected = fidelity.sequence_logits(eager_step(dynamic), ids, context)
-    chunked = fidelity.sequence_logits(eager_session(static, 8).step, ids, context)
-    assert chunked.shape == expected.shape
-    assert (chunked - expected).abs().max().item() < 1e-4
+    one_by_one = eager_session(static, 8)
+    one_by_one.every_position = False
+    for session in (eager_session(static, 8), one_by_one):
+        stepped = fidelity.sequence_logits(session.step, ids, context)
+        assert stepped.shape == expected.shape
+        assert (stepped - expected).abs().max().item() < 1e-4
     session = eager_session(static, 8)
     prefix = 13  # a prefill of one full chunk and a padded one, then decode steps
-    decoded = [session.feed(ids[:prefix])[-1]] + [session.feed([t])[-1] for t in ids[prefix:context - 1]]
-    assert (torch.stack(decoded) - expected[prefix - 1:context - 1]).abs().max().item() < 1e-4
+    decoded = [session.feed(ids[:prefix])] + [session.feed([t]) for t in ids[prefix:context]]
+    assert session.position == context  # the last position runs too, though its K/V has no cache slot
+    assert (torch.stack(decoded[:-1]) - expected[prefix - 1:]).abs().max().item() < 1e-4
+
+
+def test_twelve_layers_caches_go_where_the_specs_say_unlike_executorchs_own_script(tiny_checkpoint):
+    """From 11 layers, ExecuTorch 1.5.1's export script sorts its cache names as strings and pairs a layer's input
+    cache with another layer's output in its kv cache specs (docs/coreml.md); Lowerbench's specs pair each layer with
+    itself, and a session that places the caches by them computes the dynamic module's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from executorch.examples.apple.coreml.llama.export_static_llm_coreml import _create_example_inputs, _get_metadata
+    from executorch.examples.models.llama.model_args import ModelArgs
+    from recipes.lowering.static_program import eager_session, static_metadata
+    from recipes.running.generate import eager_step
+
+    layers, context = 12, 16
+    config = LlamaConfig(vocab_size=tiny_checkpoint.config.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    checkpoint = type("Checkpoint", (), {"config": config, "state_dict": LlamaForCausalLM(config).state_dict()})
+    dynamic, static = _dynamic_and_static(checkpoint, context, None)
+    ours = static_metadata(static, 4)["decode_kv_cache_specs"]
+    assert ours[:, :4].tolist() == [[4 + i, 1 + i, 4 + layers + i, 1 + layers + i] for i in range(layers)]
+    args = ModelArgs(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=config.vocab_size,
+                     max_context_len=context, generate_full_logits=False)
+    args.attention_type = "static_mha"
+    inputs, cache_len = _create_example_inputs(args, 1, context, torch.float32, cache_len=context - 1)
+    theirs = _get_metadata(args, inputs, 1, cache_len, torch.float32)["kv_cache_specs"]
+    assert theirs[2, :2].tolist() == [4 + 10, 1 + 2] and not torch.equal(theirs, ours)
+    session = eager_session(static, 4)
+    session.every_position = False
+    ids = [3 + i % (config.vocab_size - 3) for i in range(context)]
+    expected = eager_step(dynamic)(torch.tensor([ids]), torch.tensor([0]))[0]
+    assert (session.step(torch.tensor([ids]), torch.tensor([0]))[0] - expected).abs().max().item() < 1e-4
 
 
 def _load_shipped_runner(folder):
@@ -75,7 +112,7 @@ def test_twin_driven_by_run_static_gives_eager_fp32_tokens(tiny_static_twin, tin
     assert ids == prompt_token_ids(tiny_checkpoint.tokenizer, "what is the capital ?") and len(ids) > 4
     result = shipped.generate(session, ids, 6, set(session.stop_ids))
     assert result["tokens"] == reference.tokens
-    assert report.delegation.methods == ["decode", "prefill"]
+    assert report.delegation.methods == ["forward", "prefill"]
     assert {o.op: o for o in report.delegation.ops}["aten_linear_default"].non_delegated == 0
 
 
@@ -90,11 +127,12 @@ def test_folder_ships_run_static_and_the_card_explains_it(tiny_static_twin):
     shipped = (out / "run_static.py").read_bytes()
     assert shipped == (Path(__file__).resolve().parent.parent / "recipes" / "running" / "static_runner.py").read_bytes()
     methods = Runtime.get().load_program(str(out / "model.pte")).method_names
-    assert {"prefill", "decode", "get_prefill_len", "get_kv_cache_shape", "get_max_seq_len"} <= methods
-    assert "forward" not in methods
+    assert {"prefill", "forward", "prefill_kv_cache_specs", "decode_mask_specs", "freqs_cos",
+            "get_max_seq_len"} <= methods
     assert "TextLLMRunner" in report.runner_note and report.profile_note
     card = model_card(report, None)
-    assert "python run_static.py --prompt" in card and "cannot drive this program" in card
+    assert "python run_static.py --prompt" in card and "cannot drive it" in card
+    assert "StaticAttentionIOManager" in card and "[1, 2, 63, 16] per layer" in card
     assert "ran `run_static.py`'s loop on this very file here" in card
     assert "llama_main --model_path" not in card
 
@@ -106,7 +144,7 @@ def test_static_programs_have_no_symbolic_dimension(tiny_checkpoint):
 
     base = build_exportable(tiny_checkpoint.config, tiny_checkpoint.state_dict, ExportOptions(32, attention="sdpa-slice"))
     programs = export_methods(static_form(base, {}), 8)
-    assert set(programs) == {"prefill", "decode"}
+    assert list(programs) == ["forward", "prefill"]
     for name, program in programs.items():
         shapes = [n.meta["val"].shape for n in program.graph.nodes if n.op in ("placeholder", "output")
                   and isinstance(n.meta.get("val"), torch.Tensor)]
@@ -143,16 +181,16 @@ def test_builtin_shaped_ane_c4w_has_both_static_methods_with_every_linear_in_cor
     out, report = builtin_shaped_ane_c4w
     assert not report.errors, report.errors
     program = Runtime.get().load_program(str(out / "model.pte"))
-    assert {"prefill", "decode"} <= program.method_names
+    assert {"prefill", "forward"} <= program.method_names
     layers, kv_heads, head_dim = BUILTIN_SHAPED_LAYERS, 3, 64
-    for method, tokens in (("prefill", 32), ("decode", 1)):
+    for method, tokens in (("prefill", 32), ("forward", 1)):
         meta = program.metadata(method)
         sizes = [list(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
-        assert sizes[:3] == [[1, tokens], [1], [1, 1, tokens, 256 + tokens]]
-        assert sizes[3:] == [[1, kv_heads, 256, head_dim]] * (2 * layers)
+        assert sizes[:4] == [[1, tokens], [1, tokens, 255 + tokens], [tokens, head_dim // 2], [tokens, head_dim // 2]]
+        assert sizes[4:] == [[1, kv_heads, 255, head_dim]] * (2 * layers) + [[1]]
     metadata = report.llm_metadata
-    assert metadata.enable_dynamic_shape is False and metadata.get_prefill_len == 32
-    assert metadata.get_kv_cache_shape == [1, kv_heads, 256, head_dim] and metadata.get_kv_cache_fp16
+    assert metadata.enable_dynamic_shape is False and metadata.prefill_input_len == 32
+    assert (metadata.n_heads_per_cache, metadata.head_dim, metadata.decode_input_len) == (kv_heads, head_dim, 1)
     ops = {o.op: o for o in report.delegation.ops}
     # 7 linears a layer, gate and up split in two (1536 outputs), the output layer in 48 (49152): per method
     linears = layers * 9 + 48
@@ -173,7 +211,7 @@ def test_builtin_shaped_ane_program_attends_without_fused_sdpa_or_copied_kv_head
 
     out, _report = builtin_shaped_ane_c4w
     functions = mil_ops((out / "model.pte").read_bytes(), tmp_path)
-    assert set(functions) == {"prefill", "decode"}
+    assert set(functions) == {"forward", "prefill"}
     assert_attention_written_out(functions, BUILTIN_SHAPED_LAYERS)
 
 

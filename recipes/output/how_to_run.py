@@ -33,7 +33,7 @@ def how_to_run(report: Report, chat_template: str | None) -> list[str]:
         lines += [f"Where it runs: {report.runtime_note}.", ""]
     if recipe.options.get("device_runner"):
         lines += [f"Device runner: {recipe.options['device_runner']}", ""]
-    if metadata.get("get_prefill_len"):
+    if metadata.get("prefill_input_len"):
         return lines + _static(report) + _template(chat_template)
     if metadata.get("get_kv_io_bit_width"):
         return lines + _kv_io_runner(report, chat_template)
@@ -69,16 +69,20 @@ def _kv_cache(recipe: RecipeInfo, metadata: dict) -> list[str]:
 
 
 def _static(report: Report) -> list[str]:
-    """A static-shape program (recipes/lowering/static_program.py): run_static.py drives it; ExecuTorch's runners cannot."""
+    """A static-shape program (recipes/lowering/static_program.py), in the layout of ExecuTorch's static Llama export:
+    run_static.py drives it here, ExecuTorch's StaticAttentionIOManager on a device; TextLLMRunner cannot."""
     metadata = report.llm_metadata
+    cache = [1, metadata.n_heads_per_cache, metadata.get_max_context_len - 1, metadata.head_dim]
     ran_here = any(g.engine == "executorch-runtime" for g in report.generations)
     return ["### Python: `run_static.py` (in this folder)", "",
-            f"This program has fixed shapes: a `prefill` method taking {metadata.get_prefill_len} tokens per call and "
-            f"a `decode` method taking 1, which share their weights; the K/V caches "
-            f"({metadata.get_kv_cache_shape} per layer, {'fp16' if metadata.get_kv_cache_fp16 else 'fp32'}) and the "
-            "attention masks are inputs and outputs, held by the caller. `run_static.py` holds them, prefills the "
-            "chat-templated prompt chunk by chunk, decodes until a stop id and prints the answer, with ExecuTorch's "
-            "Python runtime:", "", "```sh",
+            f"This program has fixed shapes, in the layout of ExecuTorch's own static Llama export "
+            "(`examples/apple/coreml/llama/export_static_llm_coreml.py`): a `prefill` method taking "
+            f"{metadata.prefill_input_len} tokens per call and a `forward` method taking 1 (decode), which share their "
+            f"weights; the K/V caches ({cache} per layer), the attention masks and the rope rows of each call's "
+            "positions are inputs and outputs, held by the caller, and each call returns its last real token's "
+            "logits. Constant methods (`prefill_kv_cache_specs`, `decode_mask_specs`, `freqs_cos`, ...) say where "
+            "each input sits. `run_static.py` holds the caches, prefills the chat-templated prompt chunk by chunk, "
+            "decodes until a stop id and prints the answer, with ExecuTorch's Python runtime:", "", "```sh",
             "pip install executorch transformers",
             'python run_static.py --prompt "What is the capital of France?" --max-new-tokens 128', "```", "",
             ("Lowerbench ran `run_static.py`'s loop on this very file here (engine `executorch-runtime` under Sample "
@@ -87,12 +91,16 @@ def _static(report: Report) -> list[str]:
              "same static module in PyTorch, driven by `run_static.py`'s own loop (engine "
              f"`{report.generations[-1].engine if report.generations else 'eager-quantized'}`)."), "",
             "### C++ runners and the demo apps", "",
-            "ExecuTorch's `TextLLMRunner` (behind `llama_main` and the Android and iOS demo apps) cannot drive this "
-            "program: it expects one `forward` method that keeps its KV cache as state. ExecuTorch's own static-attention "
-            "example (`examples/apple/coreml/llama/run_static_llm.py`) expects its own export's layout instead (a "
-            "`forward` method taking rope tables and masks as its `StaticAttentionIOManager` builds them, and the "
-            "model's `params.json`), so it does not drive this file either; on a device, port `run_static.py`'s "
-            "loop.", ""]
+            "On a device, drive it with ExecuTorch's C++ `StaticAttentionIOManager` "
+            "(`examples/models/llama/runner/static_attention_io_manager.h`; smart-mask caches), configured from the "
+            "constant methods: `n_heads_per_cache`, `head_dim`, `freqs_cos`/`freqs_sin`, and for each method its "
+            "`_input_len`, `_kv_cache_specs` (k in, k out, v in, v out, cache length), `_mask_specs` and "
+            "`_freqs_cos_input_index`/`_freqs_sin_input_index`; the last input is the last real token's index. "
+            "Its inputs and outputs are not memory-planned, so the manager binds its own buffers. (Lowerbench checks "
+            "the program's methods, specs and constants against ExecuTorch's own static export; the C++ manager has "
+            "not run on it here.) ExecuTorch's "
+            "`TextLLMRunner` (behind `llama_main` and the Android and iOS demo apps' default path) cannot drive it: "
+            "it expects one `forward` method that keeps its KV cache as state.", ""]
 
 
 # Qualcomm's qnn_llama_runner formats the prompt itself, by --decoder_model_version; the versions whose template is

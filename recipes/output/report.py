@@ -271,12 +271,14 @@ class LlmMetadata(Section):
     enable_dynamic_shape: bool | None = None
     get_bos_id: int | None = optional()
     get_eos_ids: list[int] | None = optional()
-    # A static-shape program's, for run_static.py (recipes/lowering/static_program.py): tokens per prefill and decode call,
-    # each cache's shape [1, kv heads, context, head_dim], and whether caches and masks are fp16.
-    get_prefill_len: int | None = optional()
-    get_decode_len: int | None = optional()
-    get_kv_cache_shape: list[int] | None = optional()
-    get_kv_cache_fp16: bool | None = optional()
+    # A static-shape program's, those of ExecuTorch's static Llama export (recipes/lowering/static_program.py; its
+    # tensors, the rope tables and the inputs' indices, stay in the .pte): tokens per decode and prefill call, and
+    # the caches' widths.
+    vocab_size: int | None = optional()
+    head_dim: int | None = optional()
+    n_heads_per_cache: int | None = optional()
+    decode_input_len: int | None = optional()
+    prefill_input_len: int | None = optional()
     # A KV-I/O program's, those of Qualcomm's static Llama export (recipes/lowering/kv_io_program.py): tokens per
     # decode call, the model's widths, and the bits of the K/V inputs and outputs (32: float).
     get_ar_len: int | None = optional()

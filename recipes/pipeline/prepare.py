@@ -113,7 +113,8 @@ def prepare_and_lower(job: RecipeJob, lowering: Lowering = Lowering(), through: 
             program = through.program_pass(program)
         made.lowered = lower_for_backend(program, recipe, job.options, dataclasses.replace(
             lowering, constant_methods=made.metadata, consume_program=True,
-            free_weights_as_packed=made.module is None, caller_allocates_io=bool(methods)))
+            free_weights_as_packed=made.module is None,
+            caller_allocates_io=bool(methods) or recipe.static_io))
     lowered = made.lowered
     figures.timings.lower, figures.timings.serialize = round(lowered.lower_s, 3), round(lowered.serialize_s, 3)
     figures.peaks.update(lower=lowered.lower_peak_rss_mb, serialize=lowered.serialize_peak_rss_mb)

@@ -224,7 +224,8 @@ def _run_recipe(job: _Job, recipe: Recipe, options: dict, recipe_dir: Path, need
                           kv_cache=kv_cache_section(recipe, options, job.checkpoint.config, request.max_seq_len)),
         versions=job.versions, threads=Threads.from_dict(thread_policy.describe(), strict=True),
         timings=figures.timings, pte=shipped.pte,
-        llm_metadata=LlmMetadata.from_dict(made.metadata, strict=True) if made.metadata is not None else None,
+        llm_metadata=(LlmMetadata.from_dict(static_program.reported_metadata(made.metadata), strict=True)
+                      if made.metadata is not None else None),
         delegation=lowered.delegation if lowered is not None else None,
         generations=generations, quantization=made.quantization, fidelity=measured.fidelity, errors=errors,
         generation_note=None if request.generate else
@@ -281,8 +282,8 @@ def _generate_and_measure(job: _Job, target: RecipeJob, made: Made, figures: Fig
     request, recipe, measured, step = job.request, target.recipe, _Measured(), None
     try:
         with job.stages.stage(f"generating with {recipe.name}", figures, "generate"):
-            step, engine, measured.runtime_note = _recipe_engine(target, made)
-            measured.generations.append(_generate(step, engine, job))
+            generation_step, step, engine, measured.runtime_note = _recipe_engine(target, made)
+            measured.generations.append(_generate(generation_step, engine, job))
     except Cancelled:
         raise
     except Exception as err:
@@ -309,20 +310,22 @@ def _generate_and_measure(job: _Job, target: RecipeJob, made: Made, figures: Fig
 
 
 def _recipe_engine(target: RecipeJob, made: Made) -> tuple:
-    """(step, engine, why the .pte did not run here) for a recipe's generation and fidelity: the .pte on the
+    """(generation step, fidelity step, engine, why the .pte did not run here) for a recipe: the .pte on the
     runtime when it runs here (loaded once); otherwise the same quantized model in eager PyTorch (or the converted
-    PT2E graph), labelled with the recipe's eager engine so it is never mistaken for the backend's output."""
+    PT2E graph), labelled with the recipe's eager engine so it is never mistaken for the backend's output. The two
+    steps differ for a static program only, whose generation prefills by chunks and keeps the last logits."""
     recipe, lowered, backend = target.recipe, made.lowered, target.recipe.backend
     why_not = "lowering failed" if lowered is None else backend.cannot_run_here()
-    if why_not is None and recipe.static_io:
-        return static_program.runtime_session(lowered.pte_path).step, gen.ENGINE_RUNTIME, None
-    if why_not is None:
-        return (gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports)),
-                gen.ENGINE_RUNTIME, None)
     if recipe.static_io:
-        session = static_program.eager_session(made.module, int(target.options["prefill_chunk"]))
-        return session.step, backend.eager_engine, why_not
-    return gen.eager_step(made.module), backend.eager_engine, why_not
+        session = (static_program.runtime_session(lowered.pte_path) if why_not is None else
+                   static_program.eager_session(made.module, int(target.options["prefill_chunk"])))
+        return (session.last_step, session.step, gen.ENGINE_RUNTIME if why_not is None else backend.eager_engine,
+                why_not)
+    if why_not is None:
+        step = gen.runtime_step(gen.load_runtime_method(lowered.pte_path, backend.runtime_imports))
+        return step, step, gen.ENGINE_RUNTIME, None
+    step = gen.eager_step(made.module)
+    return step, step, backend.eager_engine, why_not
 
 
 @dataclass

@@ -24,6 +24,22 @@ def test_shape_tokenizer_has_an_id_for_every_embedding_row_and_each_decodes_to_t
     assert tokenizer.decode(tokenizer.encode("Étoile", add_special_tokens=False)).endswith("toile")
 
 
+def test_the_tokenizer_a_family_class_reads_back_stays_within_the_vocabulary(tmp_path):
+    """transformers reads a Qwen2.5 folder's tokenizer with its family's class, whose default pad token would be a
+    new id past the embedding; the written tokenizer names its own, so the folder passes the vocabulary check."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from models.sources.random_checkpoint import shape_tokenizer
+    from zoo.entries import load_entries
+
+    config = next(e for e in load_entries().values() if e.repo_id == "Qwen/Qwen2.5-1.5B-Instruct").config
+    shape_tokenizer(config).save_pretrained(tmp_path)
+    AutoConfig.for_model(**config).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"  # the family's class, as a user's folder gets
+    assert max(tokenizer.get_vocab().values()) == config["vocab_size"] - 1
+
+
 def test_small_vocabulary_spells_lowercase_prompts_before_rarer_characters():
     from models.sources.random_checkpoint import shape_tokenizer
 

@@ -60,7 +60,8 @@ def shape_tokenizer(config: dict):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials.values()])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+    # the pad token named too, so a family's own tokenizer class adds no default one of its own past the vocabulary
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>",
                                         bos_token=specials.get(bos_id), eos_token=specials[eos_ids[0]] if eos_ids else None)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -79,7 +79,6 @@ class StaticSession:
         self.freqs_cos, self.freqs_sin = constants["freqs_cos"], constants["freqs_sin"]
         self.dtype = self.freqs_cos.dtype
         self.context = self.freqs_cos.shape[0]
-        self.vocab_size = int(constants["vocab_size"])
         decode = self.layouts[DECODE]
         self.cache_len, self.n_layers = decode.cache_len, len(decode.caches)
         self.cache_shape = (1, int(constants["n_heads_per_cache"]), self.cache_len, int(constants["head_dim"]))

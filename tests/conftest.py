@@ -14,7 +14,11 @@ from recipes.process import thread_policy
 ROOT = Path(__file__).resolve().parent.parent
 
 # The suite runs under the thread policy Lowerbench's own processes use (thread_policy.py): OpenMP's
-# default must be set before anything loads torch, then torch's own threads go back to one per core.
+# default must be set before anything loads torch, then torch's own threads go back to one per core, or to
+# each parallel worker's share of the cores (the processes it starts inherit the share).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault(thread_policy.CORES_ENV, str(max(1, thread_policy.physical_cores() // _workers)))
 thread_policy.limit_openmp_default()
 thread_policy.torch_threads()
 

@@ -93,8 +93,10 @@ def test_cli_run_writes_report_and_pte(tiny_llama_dir, tmp_path):
     assert report["quantization"]["calibration"]["tokens"] == 512 and report["timings_s"]["quant_algorithm"] > 0
     from recipes.process import thread_policy
 
+    share = thread_policy.cores_share()  # the suite's workers are given their share of the cores (conftest.py)
     assert report["threads"] == {"openmp_default": "1", "openmp_default_set_by": "lowerbench",
-                                 "torch_intra_op": thread_policy.physical_cores(), "torch_during_runtime_calls": 1}
+                                 "torch_intra_op": share or thread_policy.physical_cores(),
+                                 "torch_during_runtime_calls": 1, **({"cores_share": share} if share else {})}
     engines = [g["engine"] for g in report["generations"]]
     assert engines == ["eager-fp32", "executorch-runtime"]
     assert report["generations"][1]["decode_tokens_per_s"] >= 0

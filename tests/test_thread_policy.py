@@ -33,7 +33,8 @@ print(json.dumps({"applied": applied, "env": os.environ.get("OMP_NUM_THREADS"), 
 
 
 def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", thread_policy.POLICY_MARK)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", thread_policy.POLICY_MARK, thread_policy.CORES_ENV)}
     return {**env, **extra}
 
 
@@ -103,4 +104,16 @@ def test_runtime_calls_keep_torch_threads_without_a_default_of_one(monkeypatch):
 
 def test_the_suite_itself_runs_under_the_policy():
     assert thread_policy.policy_active() and os.environ["OMP_NUM_THREADS"] == "1"
-    assert torch.get_num_threads() == thread_policy.physical_cores()
+    assert torch.get_num_threads() == (thread_policy.cores_share() or thread_policy.physical_cores())
+
+
+def test_a_share_of_the_cores_sets_torchs_threads_and_a_bad_one_is_refused():
+    cores = thread_policy.physical_cores()
+    probe = _probe("policy", _clean_env(**{thread_policy.CORES_ENV: "1"}))
+    assert (probe["applied"], probe["torch_threads"], probe["calling_thread"], probe["other_thread"]) == (True, 1, 1, 1)
+    assert _probe("policy", _clean_env(**{thread_policy.CORES_ENV: ""}))["torch_threads"] == cores
+    for bad in ("0", "two", "-1", "1.5"):
+        result = subprocess.run([sys.executable, "-c", PROBE, "policy"], cwd=ROOT, capture_output=True, text=True,
+                                env=_clean_env(**{thread_policy.CORES_ENV: bad}), timeout=300)
+        assert result.returncode != 0
+        assert f"LOWERBENCH_CORES={bad!r} is not a number of cores: give a whole number from 1" in result.stderr

@@ -183,6 +183,7 @@ class Threads(Section):
     openmp_default_set_by: str | None = None
     torch_intra_op: int | None = None
     torch_during_runtime_calls: int | None = None
+    cores_share: int | None = optional()  # LOWERBENCH_CORES, when the process was given a share of the cores
 
 
 @dataclass

@@ -20,6 +20,11 @@ and the fp32 eager reference's decode in the same processes 10-15 % faster too.
 
 A user's own OMP_NUM_THREADS is left alone (step 3 then applies only if it is 1). So is a process that loaded
 torch before step 1 (a script importing Lowerbench's functions): it runs with torch's stock threads.
+
+A process that shares the cores with others of its kind (parallel test workers, several jobs on one host) is
+given its share with LOWERBENCH_CORES=N: torch's intra-op threads are N, not one per core. Two processes of
+two OpenMP threads each on two cores spin against each other: every parallel region's waiting threads hold a
+core the other process needs.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from contextlib import contextmanager
 # set together with OMP_NUM_THREADS=1 by this module, so a process (or its children) can tell the policy's
 # 1 from a user's own setting
 POLICY_MARK = "LOWERBENCH_OPENMP_DEFAULT_1"
+CORES_ENV = "LOWERBENCH_CORES"
 
 
 def limit_openmp_default() -> bool:
@@ -55,11 +61,26 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+def cores_share() -> int | None:
+    """The cores LOWERBENCH_CORES gives this process, or None when it is unset."""
+    value = os.environ.get(CORES_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{CORES_ENV}={value!r} is not a number of cores: give a whole number from 1, "
+                         f"or unset it to use every core")
+    return int(value)
+
+
 def torch_threads() -> int:
-    """Under the policy, torch's intra-op threads back to one per physical core; returns the count in use."""
+    """torch's intra-op threads at the process's share of the cores (LOWERBENCH_CORES) when it has one, else,
+    under the policy, back to one per physical core; returns the count in use."""
     import torch
 
-    if policy_active():
+    share = cores_share()
+    if share is not None:
+        torch.set_num_threads(share)
+    elif policy_active():
         torch.set_num_threads(physical_cores())
     return torch.get_num_threads()
 
@@ -93,5 +114,6 @@ def describe() -> dict:
     user_set = "OMP_NUM_THREADS" in os.environ and not policy_active()
     return {"openmp_default": os.environ.get("OMP_NUM_THREADS"),
             "openmp_default_set_by": "lowerbench" if policy_active() else ("user" if user_set else None),
+            "cores_share": cores_share(),
             "torch_intra_op": torch.get_num_threads(),
             "torch_during_runtime_calls": 1 if openmp_default_is_one() else torch.get_num_threads()}

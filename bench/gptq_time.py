@@ -18,7 +18,8 @@ import time
 import torch
 from transformers import LlamaConfig
 
-from bench.scale_models import CONFIGS, tensor_shapes
+from bench.scale_models import CONFIGS
+from models.sources.random_checkpoint import checkpoint_shapes
 from models.llama import ExportOptions, build_exportable
 from quant import gptq
 from quant.gptq import GPTQ_CALIBRATION_TOKENS, apply_gptq
@@ -31,7 +32,7 @@ def _module(name: str, layers: int, vocab: int):
     config = {**CONFIGS[name], "num_hidden_layers": layers, "vocab_size": vocab}
     generator = torch.Generator().manual_seed(0)
     state = {k: (torch.randn(shape, generator=generator) * (1.0 if len(shape) == 1 else 0.02)).to(torch.bfloat16)
-             for k, shape in tensor_shapes(config).items()}
+             for k, shape in checkpoint_shapes(config).items()}
     state.update({k: torch.ones_like(v) for k, v in state.items() if v.dim() == 1})
     fields = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
     return build_exportable(LlamaConfig(**fields), state, ExportOptions(WINDOW, attention="custom",
